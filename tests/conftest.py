@@ -1,0 +1,111 @@
+"""Shared fixtures of the template's tests: baking projects and environments to run them in."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pytest
+from cookiecutter.main import cookiecutter
+
+TEMPLATE_DIR = Path(__file__).resolve().parent.parent
+DEFAULT_PACKAGE = "dynamic_model"
+PLUGIN_MODULE = f"{DEFAULT_PACKAGE}.testing.plugin"
+
+
+def bake_project(output_dir: Path, **answers: object) -> Path:
+    """Generate a project from the template without prompts; return its folder."""
+    return Path(
+        cookiecutter(
+            str(TEMPLATE_DIR),
+            no_input=True,
+            extra_context={key: value for key, value in answers.items()},
+            output_dir=str(output_dir),
+        )
+    )
+
+
+@pytest.fixture
+def bake(tmp_path: Path):
+    """``bake(**answers)`` generates a project into this test's temporary folder."""
+    return lambda **answers: bake_project(tmp_path, **answers)
+
+
+@pytest.fixture(scope="session")
+def default_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The project generated with every default answer, shared by the whole session."""
+    return bake_project(tmp_path_factory.mktemp("default"))
+
+
+class ProjectEnv:
+    """A virtual environment that sees this test run's packages (torch included).
+
+    A ``.pth`` file links the running interpreter's site-packages, so creating it
+    costs no download, and whatever is installed into it stays out of the
+    environment that runs the template's tests.
+    """
+
+    def __init__(self, root: Path) -> None:
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(root)], check=True)
+        self.root = root
+        self.python = root / "bin" / "python"
+        site_packages = subprocess.run(
+            [str(self.python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        Path(site_packages, "_template_tests_parent.pth").write_text(
+            sysconfig.get_path("purelib") + "\n"
+        )
+
+    def env(self) -> dict[str, str]:
+        environ = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        environ["PATH"] = (
+            f"{self.root / 'bin'}{os.pathsep}{os.path.dirname(sys.executable)}{os.pathsep}{environ.get('PATH', '')}"
+        )
+        environ["VIRTUAL_ENV"] = str(self.root)
+        return environ
+
+    def run(self, *args: str, cwd: Path, check: bool = True, timeout: float = 900):
+        """Run ``python -m <args>`` in this environment; output is captured as text."""
+        result = subprocess.run(
+            [str(self.python), "-m", *args],
+            cwd=cwd,
+            env=self.env(),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+        if check and result.returncode != 0:
+            raise AssertionError(
+                f"python -m {' '.join(args)} exited {result.returncode} in {cwd}\n"
+                f"--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+            )
+        return result
+
+    def install(self, project: Path, extras: str = "[dev]") -> None:
+        self.run("pip", "install", "--quiet", "--editable", f"{project}{extras}", cwd=project)
+
+
+@pytest.fixture
+def project_env(tmp_path: Path) -> ProjectEnv:
+    return ProjectEnv(tmp_path / "venv")
+
+
+@pytest.fixture
+def plugin_pytester(pytester: pytest.Pytester, default_project: Path, monkeypatch):
+    """A pytester whose runs can load the default project's plugin with ``-p PLUGIN_MODULE``.
+
+    The project's ``src`` is put on ``sys.path`` for in-process runs and on
+    ``PYTHONPATH`` for ``runpytest_subprocess`` and xdist workers.
+    """
+    src = str(default_project / "src")
+    pytester.syspathinsert(src)
+    monkeypatch.setenv(
+        "PYTHONPATH", os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))
+    )
+    return pytester

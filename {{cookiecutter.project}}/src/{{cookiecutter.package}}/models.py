@@ -1,0 +1,136 @@
+"""Example models whose computation graph is decided by the data at run time.
+
+Each forward uses ordinary Python control flow on tensor values (``if``, ``for``,
+``while``, recursion). Autograd records only the path that was taken, so the
+gradient is the gradient of that path. That is what makes these models easy to
+write and debug (``print`` and ``breakpoint()`` work anywhere), and also what makes
+them hard for tools that assume one fixed graph: ``torch.compile`` breaks the graph
+at each data-dependent decision, and ``torch.export`` refuses them unless the
+branches are rewritten with ``torch.cond``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def conditional_model(x: torch.Tensor, flag: bool) -> torch.Tensor:
+    """``sum(x**2)`` when ``flag`` is true, else ``sum(x**3)``.
+
+    Dynamic because a plain Python argument picks the graph: the two calls build
+    different graphs and get different gradients (``2x`` or ``3x**2``).
+    """
+    if flag:
+        return (x**2).sum()
+    return (x**3).sum()
+
+
+def forward_with_condition(x: torch.Tensor, threshold: float) -> torch.Tensor:
+    """``x**2`` when the mean of ``x`` exceeds ``threshold``, else ``x**3``.
+
+    Dynamic because the branch is decided by a tensor value (``Tensor.__bool__``),
+    so the same function differentiates differently for different inputs.
+    """
+    if x.mean() > threshold:
+        return x**2
+    return x**3
+
+
+class MeanGatedNet(nn.Module):
+    """A linear layer followed by ReLU or tanh, chosen by the sign of the mean activation.
+
+    Dynamic because the activation is picked per call from the data: one batch may
+    go through ``relu`` and the next through ``tanh``.
+    """
+
+    def __init__(self, in_features: int = 8, out_features: int = 8) -> None:
+        super().__init__()
+        self.linear = nn.Linear(in_features, out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        if h.mean() > 0:
+            return torch.relu(h)
+        return torch.tanh(h)
+
+
+class PerSampleNet(nn.Module):
+    """Applies ReLU or tanh to each sample separately, by the sign of that sample's sum.
+
+    Dynamic because the loop runs over the batch and each sample takes its own
+    branch. The outputs are collected and stacked instead of written into ``x`` in
+    place: an in-place write into a leaf that requires grad is an error, and into
+    an intermediate it would overwrite values autograd still needs.
+    """
+
+    def __init__(self, features: int = 8) -> None:
+        super().__init__()
+        self.linear = nn.Linear(features, features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        rows = [torch.relu(row) if row.sum() > 0 else torch.tanh(row) for row in h]
+        return torch.stack(rows)
+
+
+class DynamicNet(nn.Module):
+    """A residual block applied until the activations are small, at most ``max_steps`` times.
+
+    Dynamic because the number of loop iterations depends on the data: the loop
+    stops as soon as the mean absolute activation drops below ``tolerance``, so
+    the depth of the graph, and the number of times ``block`` contributes to its
+    own gradient, changes from batch to batch.
+    """
+
+    def __init__(
+        self,
+        in_features: int = 16,
+        hidden: int = 32,
+        out_features: int = 4,
+        max_steps: int = 4,
+        tolerance: float = 0.5,
+    ) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(in_features, hidden)
+        self.block = nn.Sequential(nn.Linear(hidden, hidden), nn.Tanh())
+        self.head = nn.Linear(hidden, out_features)
+        self.max_steps = max_steps
+        self.tolerance = tolerance
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.encoder(x))
+        for _ in range(self.max_steps):
+            if h.abs().mean() < self.tolerance:
+                break
+            h = h + 0.5 * self.block(h)
+        return self.head(h)
+
+
+class RecursiveNet(nn.Module):
+    """Reduces a sequence to one vector by recursive pairwise merging.
+
+    Dynamic because the recursion depth and the shape of the merge tree follow
+    the sequence length of each input: a sequence of 5 steps is merged as
+    ``((1, 2), (3, (4, 5)))``, one of 8 steps as a balanced tree of depth 3.
+    Input shape: ``(batch, steps, features)``; output: ``(batch, features)``.
+    """
+
+    def __init__(self, features: int = 8) -> None:
+        super().__init__()
+        self.merge = nn.Linear(2 * features, features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3 or x.size(1) == 0:
+            shape = tuple(x.shape)
+            raise ValueError(f"expected a non-empty (batch, steps, features) tensor, got {shape}")
+        return self._reduce(x)
+
+    def _reduce(self, x: torch.Tensor) -> torch.Tensor:
+        steps = x.size(1)
+        if steps == 1:
+            return x[:, 0]
+        middle = steps // 2
+        left = self._reduce(x[:, :middle])
+        right = self._reduce(x[:, middle:])
+        return torch.tanh(self.merge(torch.cat([left, right], dim=-1)))
