@@ -64,9 +64,8 @@ class ProjectEnv:
 
     def env(self) -> dict[str, str]:
         environ = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-        environ["PATH"] = (
-            f"{self.root / 'bin'}{os.pathsep}{os.path.dirname(sys.executable)}{os.pathsep}{environ.get('PATH', '')}"
-        )
+        path = [str(self.root / "bin"), os.path.dirname(sys.executable), environ.get("PATH", "")]
+        environ["PATH"] = os.pathsep.join(path)
         environ["VIRTUAL_ENV"] = str(self.root)
         return environ
 
@@ -105,7 +104,5 @@ def plugin_pytester(pytester: pytest.Pytester, default_project: Path, monkeypatc
     """
     src = str(default_project / "src")
     pytester.syspathinsert(src)
-    monkeypatch.setenv(
-        "PYTHONPATH", os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")]))
-    )
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [src, os.getenv("PYTHONPATH")])))
     return pytester
