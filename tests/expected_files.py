@@ -1,0 +1,73 @@
+"""The exact set of files a generated project holds, for any combination of answers.
+
+Paths are relative to the generated project folder; ``{package}`` stands for the
+package folder's name. To add a generated file, add one line: to ``BASE_FILES`` if
+every project has it, or to the set of the answer that brings it in
+``FILES_BY_ANSWER``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+BASE_FILES = frozenset(
+    {
+        ".cookiecutter.json",
+        ".github/workflows/ci.yml",
+        ".gitignore",
+        ".pre-commit-config.yaml",
+        "LICENSE",
+        "README.md",
+        "pyproject.toml",
+        "src/{package}/__init__.py",
+        "src/{package}/models.py",
+        "tests/test_models.py",
+    }
+)
+
+# (answer, value) -> files present only when that answer has that value.
+FILES_BY_ANSWER: dict[tuple[str, object], frozenset[str]] = {
+    ("jupyter", True): frozenset(),
+}
+
+_DEFAULTS = json.loads((Path(__file__).resolve().parent.parent / "cookiecutter.json").read_text())
+
+
+def default_answers() -> dict[str, object]:
+    """The answers ``cookiecutter --no-input`` uses: first choice of each list."""
+    answers = {
+        key: value[0] if isinstance(value, list) else value
+        for key, value in _DEFAULTS.items()
+        if not key.startswith("_")
+    }
+    answers["package"] = package_for(str(answers["project"]))
+    return answers
+
+
+def package_for(project: str) -> str:
+    """The package name the template derives from a project name."""
+    return project.lower().replace("-", "_").replace(".", "_")
+
+
+def resolve_answers(**overrides: object) -> dict[str, object]:
+    """Defaults with ``overrides`` applied; the package follows the project unless given."""
+    answers = default_answers()
+    answers.update(overrides)
+    if "package" not in overrides:
+        answers["package"] = package_for(str(answers["project"]))
+    return answers
+
+
+def expected_files(answers: Mapping[str, object]) -> set[str]:
+    """Every file (relative POSIX path) of a project generated with ``answers``.
+
+    ``answers`` may be partial: missing ones take their defaults.
+    """
+    full = resolve_answers(**answers)
+    paths = set(BASE_FILES)
+    for (name, value), files in FILES_BY_ANSWER.items():
+        if full[name] == value:
+            paths |= files
+    return {path.format(package=full["package"]) for path in paths}
