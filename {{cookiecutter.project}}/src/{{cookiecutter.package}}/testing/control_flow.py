@@ -1,0 +1,174 @@
+"""Record the data-dependent decisions a forward makes, to compare two runs.
+
+A dynamic model decides its graph in Python: ``if h.mean() > 0``, ``while
+err.item() > tol``, ``range(int(n))``. Each such decision turns a tensor into a
+Python value through one of a handful of ``Tensor`` methods. A
+``TorchFunctionMode`` sees every one of them, so recording them costs one
+dictionary lookup per torch call and a stack walk per decision.
+
+    with record_decisions() as log:
+        model(x)
+    for decision in log:
+        print(decision)   # decision #1: Tensor.__bool__ -> True at models.py:54
+
+Two logs of the same computation on the same data must agree decision by
+decision; ``first_divergence(a, b)`` says where they stop agreeing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+# Each callable that turns tensor data into a Python value, by the name a report uses.
+DECISION_OPS: dict[Any, str] = {
+    torch.Tensor.__bool__: "Tensor.__bool__",
+    torch.Tensor.item: "Tensor.item",
+    torch.Tensor.__int__: "Tensor.__int__",
+    torch.Tensor.__float__: "Tensor.__float__",
+    torch.Tensor.__index__: "Tensor.__index__",
+    torch.Tensor.tolist: "Tensor.tolist",
+    torch.Tensor.__complex__: "Tensor.__complex__",
+    torch.is_nonzero: "torch.is_nonzero",
+    torch.equal: "torch.equal",
+    torch.allclose: "torch.allclose",
+}
+
+# Frames in these folders are library code; a decision is located at the first
+# frame outside them, which is the user's line that made it.
+_LIBRARY_DIRS = (
+    os.path.dirname(torch.__file__) + os.sep,
+    os.path.dirname(os.path.abspath(__file__)) + os.sep,
+    os.path.dirname(contextlib.__file__) + os.sep + "contextlib.py",
+)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One data-dependent decision: the ``index``-th (from 1) of its run.
+
+    ``op`` names the method (``Tensor.__bool__``), ``value`` is the Python value it
+    returned, ``location`` is ``file:line`` of the user's code that made it.
+    """
+
+    index: int
+    op: str
+    value: Any
+    location: str
+
+    def same_as(self, other: Decision) -> bool:
+        """Same op at the same place with the same value (NaN equal to NaN, -0.0 not 0.0)."""
+        return (
+            self.op == other.op
+            and self.location == other.location
+            and type(self.value) is type(other.value)
+            and repr(self.value) == repr(other.value)
+        )
+
+    def __str__(self) -> str:
+        return f"decision #{self.index}: {self.op} -> {_short(self.value)} at {self.location}"
+
+
+class DecisionLog(Sequence[Decision]):
+    """The decisions of one recorded run, in the order they were made."""
+
+    def __init__(self) -> None:
+        self._decisions: list[Decision] = []
+
+    def __getitem__(self, index):  # type: ignore[override]
+        return self._decisions[index]
+
+    def __len__(self) -> int:
+        return len(self._decisions)
+
+    def __repr__(self) -> str:
+        return f"DecisionLog({len(self)} decisions)"
+
+    def _append(self, op: str, value: Any, location: str) -> None:
+        self._decisions.append(Decision(len(self._decisions) + 1, op, value, location))
+
+
+class _DecisionRecorder(TorchFunctionMode):
+    def __init__(self, log: DecisionLog) -> None:
+        super().__init__()
+        self.log = log
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        op = DECISION_OPS.get(func)
+        if op is not None:
+            self.log._append(op, result, user_location())
+        return result
+
+
+@contextlib.contextmanager
+def record_decisions() -> Iterator[DecisionLog]:
+    """Record every data-dependent decision made on this thread inside the block."""
+    log = DecisionLog()
+    with _DecisionRecorder(log):
+        yield log
+
+
+def first_divergence(
+    a: Sequence[Decision], b: Sequence[Decision]
+) -> tuple[int, Decision | None, Decision | None] | None:
+    """The first decision number (from 1) where two logs differ, with both decisions.
+
+    ``None`` when the logs agree. When one log is a prefix of the other, the
+    shorter side's decision is ``None`` (that run made fewer decisions).
+    """
+    for position in range(max(len(a), len(b))):
+        left = a[position] if position < len(a) else None
+        right = b[position] if position < len(b) else None
+        if left is None or right is None or not left.same_as(right):
+            return position + 1, left, right
+    return None
+
+
+def describe_divergence(
+    divergence: tuple[int, Decision | None, Decision | None], run: int = 2
+) -> str:
+    """``run 2 took a different branch at decision #k (file:line)`` plus both decisions."""
+    k, reference, other = divergence
+    where = (other or reference).location  # type: ignore[union-attr]
+    ended = f"no decision #{k} (the run made only {k - 1})"
+    return "\n".join(
+        [
+            f"run {run} took a different branch at decision #{k} ({where})",
+            f"  run 1: {reference or ended}",
+            f"  run {run}: {other or ended}",
+        ]
+    )
+
+
+def user_location(skip_dirs: tuple[str, ...] = _LIBRARY_DIRS) -> str:
+    """``file:line`` of the innermost caller outside torch and this plugin."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(skip_dirs):
+            return f"{_display_path(filename)}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "<unknown>"
+
+
+@functools.cache
+def _display_path(filename: str) -> str:
+    try:
+        relative = os.path.relpath(filename)
+    except ValueError:  # another drive on Windows
+        return filename
+    return filename if relative.startswith(os.pardir) else relative
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
