@@ -23,6 +23,7 @@ import os
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from types import FrameType
 from typing import Any
 
 import torch
@@ -42,13 +43,10 @@ DECISION_OPS: dict[Any, str] = {
     torch.allclose: "torch.allclose",
 }
 
-# Frames in these folders are library code; a decision is located at the first
-# frame outside them, which is the user's line that made it.
-_LIBRARY_DIRS = (
-    os.path.dirname(torch.__file__) + os.sep,
-    os.path.dirname(os.path.abspath(__file__)) + os.sep,
-    os.path.dirname(contextlib.__file__) + os.sep + "contextlib.py",
-)
+# A decision is located at the first frame outside torch: the user's line.
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_PLUGIN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+UNKNOWN_LOCATION = "<unknown location>"
 
 
 @dataclass(frozen=True)
@@ -105,7 +103,8 @@ class _DecisionRecorder(TorchFunctionMode):
         result = func(*args, **(kwargs or {}))
         op = DECISION_OPS.get(func)
         if op is not None:
-            self.log._append(op, result, user_location())
+            location = user_location(sys._getframe(1)) or UNKNOWN_LOCATION
+            self.log._append(op, result, location)
         return result
 
 
@@ -149,15 +148,21 @@ def describe_divergence(
     )
 
 
-def user_location(skip_dirs: tuple[str, ...] = _LIBRARY_DIRS) -> str:
-    """``file:line`` of the innermost caller outside torch and this plugin."""
-    frame = sys._getframe(1)
+def user_location(frame: FrameType | None) -> str | None:
+    """``file:line`` of the user's code running ``frame``, or of its nearest user caller.
+
+    Frames in torch are skipped. ``None`` when the first frame outside torch
+    belongs to this plugin or the stack ends: then no user code is between the
+    plugin and torch (an op torch's autograd engine runs on the plugin's behalf).
+    """
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not filename.startswith(skip_dirs):
+        if filename.startswith(_PLUGIN_DIR):
+            return None
+        if not filename.startswith(_TORCH_DIR):
             return f"{_display_path(filename)}:{frame.f_lineno}"
         frame = frame.f_back
-    return "<unknown>"
+    return None
 
 
 @functools.cache
