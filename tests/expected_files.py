@@ -14,7 +14,7 @@ from pathlib import Path
 
 BASE_FILES = frozenset(
     {
-        ".cookiecutter.json",
+        ".template-answers.json",
         ".github/workflows/ci.yml",
         ".gitignore",
         ".pre-commit-config.yaml",
