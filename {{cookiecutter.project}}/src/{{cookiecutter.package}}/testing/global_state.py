@@ -67,13 +67,17 @@ def _default_device_setting(torch: Any) -> Setting:
     return Setting("torch.get_default_device()", torch.get_default_device, set_device)
 
 
+def _sdpa_switch(cuda: Any, kind: str) -> tuple[Callable[[], bool], Callable[[bool], None]]:
+    """Getter and setter of one scaled-dot-product-attention backend switch."""
+    return getattr(cuda, f"{kind}_sdp_enabled"), getattr(cuda, f"enable_{kind}_sdp")
+
+
 @functools.cache
 def torch_settings() -> tuple[Setting, ...]:
     """The torch settings that are snapshotted, in the order they are restored."""
     import torch
 
     backends = torch.backends
-    sdpa = backends.cuda
     return (
         Setting("torch.get_default_dtype()", torch.get_default_dtype, torch.set_default_dtype),
         _default_device_setting(torch),
@@ -134,10 +138,10 @@ def torch_settings() -> tuple[Setting, ...]:
             "allow_bf16_reduced_precision_reduction",
             "torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction",
         ),
-        Setting("flash SDPA", sdpa.flash_sdp_enabled, sdpa.enable_flash_sdp),
-        Setting("memory-efficient SDPA", sdpa.mem_efficient_sdp_enabled, sdpa.enable_mem_efficient_sdp),
-        Setting("math SDPA", sdpa.math_sdp_enabled, sdpa.enable_math_sdp),
-        Setting("cuDNN SDPA", sdpa.cudnn_sdp_enabled, sdpa.enable_cudnn_sdp),
+        *(
+            Setting(f"torch.backends.cuda.{kind}_sdp_enabled()", *_sdpa_switch(backends.cuda, kind))
+            for kind in ("flash", "mem_efficient", "math", "cudnn")
+        ),
         Setting("torch.get_num_threads()", torch.get_num_threads, torch.set_num_threads),
     )
 

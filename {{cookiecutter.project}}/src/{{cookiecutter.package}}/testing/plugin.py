@@ -1,0 +1,296 @@
+"""The project's pytest plugin: GPU tests on request, one GPU per xdist worker, isolated tests.
+
+- ``pytest --gpu`` runs the tests that use the ``gpu`` fixture or carry
+  ``@pytest.mark.gpu``; without it they are skipped, and with it but no usable CUDA
+  pytest stops with a usage error that names the cause.
+- ``pytest --gpu -n N`` gives each xdist worker its own GPU through its
+  ``CUDA_VISIBLE_DEVICES``; ``-n auto`` starts one worker per GPU.
+- After each GPU test: synchronize, so an asynchronous CUDA error fails the test that
+  caused it, and fail a test that leaves CUDA memory allocated.
+- Around each test's body: a snapshot of torch's global settings and RNGs; a test
+  that changes one and does not restore it fails, and the next test starts clean.
+
+The hooks are thin: the decisions live in :mod:`.gpus` and :mod:`.global_state`.
+Loading this module does not import torch.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from typing import Any
+
+import pytest
+
+from . import global_state, gpus
+
+# Every project made from this template ships a copy of this module, and two of them
+# can be installed in one environment. The first copy pytest loads registers the
+# plugin under this name; the others see it registered and add nothing, so options
+# are not added twice (which would stop pytest).
+PLUGIN_NAME = "torch-gpu-testing"
+VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+HOW_TO_RUN_GPU_TESTS = "needs a CUDA GPU: run pytest --gpu to run GPU tests"
+GPU_MARKER = "gpu"
+KEEPS_CUDA_MEMORY_MARKER = "keeps_cuda_memory"
+CHANGES_GLOBAL_STATE_MARKER = "changes_global_state"
+
+
+def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
+    if not pluginmanager.has_plugin(PLUGIN_NAME):
+        pluginmanager.register(TorchTestingPlugin(), PLUGIN_NAME)
+
+
+class TorchTestingPlugin:
+    def __init__(self) -> None:
+        self.gpu_enabled = False
+        self.distributed = False
+        self.visible: list[str] = []
+        self.worker_devices: list[str] = []
+        self.gpu_infos: list[gpus.GpuInfo] = []
+        self.cuda_checked_here = False
+
+    def pytest_addoption(self, parser: pytest.Parser) -> None:
+        group = parser.getgroup("gpu", "GPU tests (torch)")
+        group.addoption(
+            "--gpu",
+            action="store_true",
+            default=False,
+            help="run the tests that need a CUDA GPU (the gpu fixture or the gpu marker); "
+            "with -n, each xdist worker gets its own GPU, and -n auto starts one per GPU",
+        )
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_load_initial_conftests(self, early_config: pytest.Config) -> None:
+        # Every plugin is loaded by now, and xdist's hooks are needed before configure.
+        if early_config.pluginmanager.has_plugin("xdist"):
+            early_config.pluginmanager.register(XdistHooks(self), f"{PLUGIN_NAME}-xdist")
+
+    def pytest_configure(self, config: pytest.Config) -> None:
+        config.addinivalue_line(
+            "markers",
+            f"{GPU_MARKER}(count=1): the test needs count CUDA GPUs; skipped unless pytest "
+            "--gpu, and when fewer GPUs are visible to the test process",
+        )
+        config.addinivalue_line(
+            "markers",
+            f"{KEEPS_CUDA_MEMORY_MARKER}: the test keeps CUDA memory allocated on purpose "
+            "(a cache, a module-level tensor); no leak check after it",
+        )
+        config.addinivalue_line(
+            "markers",
+            f"{CHANGES_GLOBAL_STATE_MARKER}: the test changes torch's global state on purpose; "
+            "it is still restored after the test, but not reported",
+        )
+        self.gpu_enabled = config.getoption("gpu")
+        if not self.gpu_enabled or hasattr(config, "workerinput"):
+            return  # xdist workers check CUDA at their first GPU test
+        self.distributed = config.getoption("dist", "no") != "no" and bool(
+            config.getoption("tx", None)
+        )
+        reason = gpus.cuda_unavailable_reason(initialize=not self.distributed)
+        if reason is not None:
+            raise pytest.UsageError(f"--gpu was given, but CUDA is not usable: {reason}")
+        self.cuda_checked_here = not self.distributed
+        self.gpu_infos = gpus.query_gpus()
+        self.visible = gpus.visible_devices(os.environ.get(VISIBLE_DEVICES), self.gpu_infos)
+        if self.distributed and self.visible:
+            self.worker_devices = gpus.assign_devices(self.visible, len(config.getoption("tx")))
+
+    def pytest_report_header(self, config: pytest.Config) -> list[str]:
+        if not self.gpu_enabled:
+            return [f"GPU tests: skipped (run pytest --{GPU_MARKER} to run them)"]
+        return gpu_report_lines(
+            self.gpu_infos, self.visible, self.worker_devices, initialize=not self.distributed
+        )
+
+    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
+        if self.gpu_enabled:
+            return
+        skip = pytest.mark.skip(reason=HOW_TO_RUN_GPU_TESTS)
+        for item in items:
+            if is_gpu_test(item):
+                item.add_marker(skip)
+
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        if not (self.gpu_enabled and is_gpu_test(item)):
+            return
+        if not self.cuda_checked_here:
+            reason = gpus.cuda_unavailable_reason()
+            if reason is not None:
+                raise AssertionError(f"--gpu was given, but CUDA is not usable here: {reason}")
+            self.cuda_checked_here = True
+        import torch
+
+        needed = gpus_needed(item)
+        visible = torch.cuda.device_count()
+        if visible < needed:
+            pytest.skip(
+                f"needs {needed} GPUs, {visible} visible to this test process "
+                f"({VISIBLE_DEVICES}={os.environ.get(VISIBLE_DEVICES, '<unset>')}); "
+                "under pytest-xdist each worker has one GPU: run it without -n"
+            )
+
+    @pytest.fixture
+    def gpu(self) -> Any:
+        """The ``torch.device`` of this test process's GPU; the test is skipped without --gpu.
+
+        Under pytest-xdist each worker sees only its own GPU, so this is always ``cuda:0``.
+        """
+        import torch
+
+        return torch.device("cuda", 0)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item):
+        __tracebackhide__ = True
+        gpu_test = self.gpu_enabled and is_gpu_test(item)
+        before = global_state.snapshot()
+        allocated = cuda_memory_allocated(gpus_needed(item)) if gpu_test else None
+        try:
+            result = yield
+        except BaseException:
+            global_state.restore(before)
+            raise
+        problems = []
+        if gpu_test:
+            synchronize_or_fail(gpus_needed(item))
+        after = global_state.snapshot()
+        leaked = global_state.differences(before, after, rng_draws=False)
+        if after != before:
+            global_state.restore(before)
+        if leaked and item.get_closest_marker(CHANGES_GLOBAL_STATE_MARKER) is None:
+            problems.append(global_state_message(leaked))
+        if allocated is not None and item.get_closest_marker(KEEPS_CUDA_MEMORY_MARKER) is None:
+            problems.extend(cuda_memory_leaks(allocated))
+        if problems:
+            raise AssertionError("\n\n".join(problems))
+        return result
+
+
+class XdistHooks:
+    """Hooks that exist only with pytest-xdist: one GPU per worker."""
+
+    def __init__(self, plugin: TorchTestingPlugin) -> None:
+        self.plugin = plugin
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_xdist_auto_num_workers(self, config: pytest.Config) -> int | None:
+        if not config.getoption("gpu"):
+            return None
+        visible = gpus.visible_devices(os.environ.get(VISIBLE_DEVICES), gpus.query_gpus())
+        return len(visible) or None
+
+    def pytest_xdist_setupnodes(self, specs: list[Any]) -> None:
+        # The environment of the worker's interpreter is set before it imports anything,
+        # so CUDA there starts with only its own GPU visible.
+        for spec, device in zip(specs, self.plugin.worker_devices, strict=False):
+            spec.env[VISIBLE_DEVICES] = device
+
+
+def is_gpu_test(item: pytest.Item) -> bool:
+    return (
+        "gpu" in getattr(item, "fixturenames", ())
+        or item.get_closest_marker(GPU_MARKER) is not None
+    )
+
+
+def gpus_needed(item: pytest.Item) -> int:
+    marker = item.get_closest_marker(GPU_MARKER)
+    count = marker.kwargs.get("count", 1) if marker is not None else 1
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise pytest.UsageError(
+            f"{item.nodeid}: @pytest.mark.gpu(count={count!r}): count must be a whole number >= 1"
+        )
+    return count
+
+
+def gpu_report_lines(
+    gpu_infos: list[gpus.GpuInfo],
+    visible: list[str],
+    worker_devices: list[str],
+    *,
+    initialize: bool,
+) -> list[str]:
+    """The report header with --gpu; CUDA is queried only when ``initialize`` allows."""
+    import torch
+
+    cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+    lines = [
+        f"GPU tests: on; torch {torch.__version__}, CUDA runtime {torch.version.cuda}, "
+        f"NVIDIA driver {gpus.driver_version()}, cuDNN {cudnn}"
+    ]
+    if gpu_infos:
+        for entry in visible:
+            info = gpus.gpu_for_entry(entry, gpu_infos)
+            lines.append(f"  GPU {entry}: {info.describe() if info else 'MIG instance'}")
+    elif initialize:
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            lines.append(
+                f"  cuda:{index}: {props.name}, {props.total_memory / 2**30:.1f} GiB, "
+                f"compute capability {props.major}.{props.minor}"
+            )
+    if worker_devices:
+        pairs = ", ".join(f"gw{i} -> {device}" for i, device in enumerate(worker_devices))
+        lines.append(f"  xdist workers ({VISIBLE_DEVICES}): {pairs}")
+    return lines
+
+
+def cuda_memory_allocated(devices: int) -> list[int]:
+    import torch
+
+    return [torch.cuda.memory_allocated(index) for index in range(devices)]
+
+
+def synchronize_or_fail(devices: int) -> None:
+    """Wait for the test's kernels, so an asynchronous CUDA error fails this test."""
+    __tracebackhide__ = True
+    import torch
+
+    try:
+        for index in range(devices):
+            torch.cuda.synchronize(index)
+    except RuntimeError as error:
+        raise AssertionError(
+            "CUDA reported an error while finishing this test's kernels (an asynchronous "
+            "error from a kernel the test launched; CUDA_LAUNCH_BLOCKING=1 shows the "
+            f"line). Later GPU tests in this process fail too.\n{error}"
+        ) from error
+
+
+def cuda_memory_leaks(before: list[int]) -> list[str]:
+    """Messages for the devices on which the test left more memory allocated than it found."""
+    import torch
+
+    now = cuda_memory_allocated(len(before))
+    if all(after <= start for start, after in zip(before, now, strict=True)):
+        return []
+    gc.collect()
+    # cuBLAS keeps a workspace in the caching allocator after the first matmul.
+    clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear_workspaces is not None:
+        clear_workspaces()
+    now = cuda_memory_allocated(len(before))
+    return [
+        f"cuda:{index}: the test left {after - start} bytes ({(after - start) / 2**20:.2f} MiB) "
+        f"of CUDA memory allocated ({start} before, {after} after, after gc): a tensor is "
+        "still referenced (a global, a cache, a class attribute); free it, or mark the test "
+        f"@pytest.mark.{KEEPS_CUDA_MEMORY_MARKER} if that is intended"
+        for index, (start, after) in enumerate(zip(before, now, strict=True))
+        if after > start
+    ]
+
+
+def global_state_message(leaked: list[str]) -> str:
+    lines = "\n".join(f"  {line}" for line in leaked)
+    return (
+        "the test changed torch's global state and did not restore it (restored now, so "
+        f"the next test starts clean):\n{lines}\nUndo the change in the test (try/finally, "
+        "a context manager such as torch.random.fork_rng()), or mark the test "
+        f"@pytest.mark.{CHANGES_GLOBAL_STATE_MARKER} if the change is intended"
+    )
+
+
+# Fixtures of the determinism and gradient checks follow (module level: pytest
+# collects fixtures from this module like from a conftest.py).
