@@ -294,3 +294,21 @@ def global_state_message(leaked: list[str]) -> str:
 
 # Fixtures of the determinism and gradient checks follow (module level: pytest
 # collects fixtures from this module like from a conftest.py).
+
+
+@pytest.fixture
+def autograd_determinism() -> Any:
+    """``autograd_determinism(model_or_function, *inputs, runs=3, **kwargs)``: bitwise check.
+
+    For the whole test: deterministic algorithms, deterministic cuDNN (no benchmark),
+    filled uninitialized memory and seeded RNGs; all restored afterwards, also when
+    the test fails. The callable runs forward and backward ``runs`` times from the
+    same parameters, buffers, RNG states and inputs and fails, naming the first
+    differing tensor and the op or branch where the runs part, unless all agree bit
+    for bit. It returns the first run's outputs and gradients.
+    See :func:`.determinism.check_determinism` for the options.
+    """
+    from .determinism import check_determinism, deterministic_mode
+
+    with deterministic_mode():
+        yield check_determinism
