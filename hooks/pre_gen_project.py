@@ -47,7 +47,7 @@ def package_for(project):
 
 def module_name_problem(name):
     """What a package name must be instead of ``name``, or None when it is fine."""
-    if keyword.iskeyword(name) or keyword.issoftkeyword(name):
+    if keyword.iskeyword(name):
         return f"a package name ({name!r} here) that is not a Python keyword"
     if name in SHADOWED_MODULES or name.lower() in SHADOWED_MODULES:
         return (
