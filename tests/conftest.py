@@ -95,6 +95,36 @@ def project_env(tmp_path: Path) -> ProjectEnv:
     return ProjectEnv(tmp_path / "venv")
 
 
+def module_environment(
+    project: Path, *, path: tuple[Path, ...] = (), **variables: str | None
+) -> dict[str, str]:
+    """This process's environment with ``path`` then ``project``'s ``src`` on PYTHONPATH,
+    so ``python -m <package>.<module>`` runs the project uninstalled; ``variables`` are
+    set, or removed where None."""
+    environ = dict(os.environ)
+    environ["PYTHONPATH"] = os.pathsep.join(str(entry) for entry in (*path, project / "src"))
+    for name, value in variables.items():
+        if value is None:
+            environ.pop(name, None)
+        else:
+            environ[name] = value
+    return environ
+
+
+def run_module(
+    project: Path, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m ARGS`` in ``env`` (default: `module_environment` of ``project``)."""
+    return subprocess.run(
+        [sys.executable, "-m", *args],
+        env=module_environment(project) if env is None else env,
+        cwd=project if cwd is None else cwd,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
 @pytest.fixture
 def plugin_pytester(pytester: pytest.Pytester, default_project: Path, monkeypatch):
     """A pytester whose runs can load the default project's plugin with ``-p PLUGIN_MODULE``.
