@@ -46,6 +46,8 @@ DECISION_OPS: dict[Any, str] = {
 # A decision is located at the first frame outside torch: the user's line.
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _PLUGIN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# The plugin's torch function and dispatch modes sit between the user's call and torch.
+_MODE_HANDLERS = frozenset({"__torch_function__", "__torch_dispatch__"})
 UNKNOWN_LOCATION = "<unknown location>"
 
 
@@ -158,8 +160,9 @@ def user_location(frame: FrameType | None) -> str | None:
     while frame is not None:
         filename = frame.f_code.co_filename
         if filename.startswith(_PLUGIN_DIR):
-            return None
-        if not filename.startswith(_TORCH_DIR):
+            if frame.f_code.co_name not in _MODE_HANDLERS:
+                return None
+        elif not filename.startswith(_TORCH_DIR):
             return f"{_display_path(filename)}:{frame.f_lineno}"
         frame = frame.f_back
     return None

@@ -1,0 +1,957 @@
+"""Prove that forward and backward of a model are bitwise reproducible, and say where not.
+
+:func:`check_determinism` runs a model (or function) forward and backward several
+times, each from the same parameters, buffers, RNG states and inputs, pulls a
+fixed random cotangent back through every floating-point output, and compares
+outputs, parameter gradients, input gradients and updated buffers bit for bit.
+Only when two runs differ does it pay for localization: it reruns under a
+``TorchDispatchMode`` that fingerprints every aten op of forward and backward
+and a ``TorchFunctionMode`` that records data-dependent Python decisions, and
+reports the first op or branch where the runs part.
+
+:func:`deterministic_mode` is the environment the ``autograd_determinism``
+fixture gives a test: deterministic algorithms, deterministic cuDNN, seeded
+RNGs, all undone afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import io
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+import warnings
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import control_flow, global_state
+from .gpus import version_tuple
+
+DEFAULT_SEED = 0
+
+# torch checked CUBLAS_WORKSPACE_CONFIG under deterministic mode until
+# pytorch/pytorch#161749 removed the check (torch 2.10): since CUDA 11 torch gives
+# every handle/stream its own cuBLAS workspace, which is what cuBLAS needs.
+CUBLAS_CONFIG_CHECKED_BEFORE = (2, 10)
+CUBLAS_WORKSPACE_VARIABLE = "CUBLAS_WORKSPACE_CONFIG"
+DETERMINISTIC_CUBLAS_CONFIGS = (":4096:8", ":16:8")
+
+NO_DETERMINISTIC_IMPLEMENTATION = "does not have a deterministic implementation"
+CUBLAS_NOT_DETERMINISTIC = "it uses CuBLAS"
+
+_INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_SITE_KEY = "determinism_check_forward_site"
+_LISTED_DIFFERENCES = 5
+_RANDOM_OPS = frozenset(
+    {
+        *("bernoulli", "bernoulli_", "normal", "normal_", "uniform_", "exponential_"),
+        *("geometric_", "cauchy_", "log_normal_", "random_", "rand", "randn", "randint"),
+        *("randperm", "rand_like", "randn_like", "randint_like", "multinomial"),
+        *("native_dropout", "poisson", "rrelu_with_noise"),
+    }
+)
+
+
+class DeterminismError(AssertionError):
+    """Two runs from identical starting conditions gave different results."""
+
+
+class NondeterministicOpError(DeterminismError):
+    """An op has no deterministic implementation, so deterministic mode refused to run it."""
+
+
+# --- the environment of the fixture --------------------------------------------------
+
+
+def cublas_workspace_action(
+    torch_version: str, cuda_built: bool, cuda_initialized: bool, configured: str | None
+) -> str | None:
+    """What the installed torch needs done about ``CUBLAS_WORKSPACE_CONFIG``.
+
+    ``None``: nothing (torch no longer checks it, no CUDA, or it is already set to a
+    deterministic value). ``"set"``: set it now, CUDA has not started yet.
+    ``"too late"``: it is needed but CUDA, and so possibly cuBLAS, already started.
+    """
+    if not cuda_built or configured in DETERMINISTIC_CUBLAS_CONFIGS:
+        return None
+    if version_tuple(torch_version)[:2] >= CUBLAS_CONFIG_CHECKED_BEFORE:
+        return None
+    return "too late" if cuda_initialized else "set"
+
+
+def _configure_cublas_workspace() -> None:
+    action = cublas_workspace_action(
+        torch.__version__,
+        torch.version.cuda is not None,
+        torch.cuda.is_initialized(),
+        os.environ.get(CUBLAS_WORKSPACE_VARIABLE),
+    )
+    if action == "set":
+        os.environ[CUBLAS_WORKSPACE_VARIABLE] = DETERMINISTIC_CUBLAS_CONFIGS[0]
+    elif action == "too late":
+        warnings.warn(
+            f"torch {torch.__version__} needs {CUBLAS_WORKSPACE_VARIABLE}="
+            f"{DETERMINISTIC_CUBLAS_CONFIGS[0]} (or {DETERMINISTIC_CUBLAS_CONFIGS[1]}) before "
+            "cuBLAS starts, but CUDA was already initialized when the autograd_determinism "
+            "fixture started, so cuBLAS matmuls may raise or be nondeterministic. Set it in "
+            f"the environment that runs pytest: {CUBLAS_WORKSPACE_VARIABLE}="
+            f"{DETERMINISTIC_CUBLAS_CONFIGS[0]} pytest ...",
+            stacklevel=3,
+        )
+
+
+def seed_everything(seed: int = DEFAULT_SEED) -> None:
+    """Seed Python's ``random``, torch on CPU and every CUDA device, and NumPy if imported."""
+    import random
+
+    random.seed(seed)
+    torch.manual_seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed)
+
+
+@contextlib.contextmanager
+def deterministic_mode(seed: int = DEFAULT_SEED) -> Iterator[None]:
+    """Deterministic algorithms and cuDNN, filled uninitialized memory, seeded RNGs.
+
+    Everything is put back on exit, also when the block raises.
+    """
+    before = global_state.snapshot()
+    cublas_config = os.environ.get(CUBLAS_WORKSPACE_VARIABLE)
+    try:
+        _configure_cublas_workspace()
+        torch.use_deterministic_algorithms(True)
+        torch.utils.deterministic.fill_uninitialized_memory = True
+        torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = False
+        seed_everything(seed)
+        yield
+    finally:
+        global_state.restore(before)
+        if cublas_config is None:
+            os.environ.pop(CUBLAS_WORKSPACE_VARIABLE, None)
+        else:
+            os.environ[CUBLAS_WORKSPACE_VARIABLE] = cublas_config
+
+
+# --- naming the pieces of nested inputs and outputs ----------------------------------
+
+
+def _named_leaves(value: Any, name: str) -> Iterator[tuple[str, Any]]:
+    """``(name, leaf)`` for every leaf of nested tuples, lists, dicts and dataclasses."""
+    if isinstance(value, torch.Tensor):
+        yield name, value
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from _named_leaves(item, f"{name}[{key!r}]")
+    elif isinstance(value, tuple) and hasattr(value, "_fields"):
+        for field_name, item in zip(value._fields, value, strict=True):
+            yield from _named_leaves(item, f"{name}.{field_name}")
+    elif isinstance(value, list | tuple):
+        for index, item in enumerate(value):
+            yield from _named_leaves(item, f"{name}[{index}]")
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            yield from _named_leaves(getattr(value, field.name), f"{name}.{field.name}")
+    else:
+        yield name, value
+
+
+def _map_tensors(value: Any, function: Callable[[torch.Tensor], Any]) -> Any:
+    """``value`` with every tensor in nested containers replaced by ``function(tensor)``."""
+    if isinstance(value, torch.Tensor):
+        return function(value)
+    if isinstance(value, Mapping):
+        items = {key: _map_tensors(item, function) for key, item in value.items()}
+        try:
+            return type(value)(items)
+        except TypeError:
+            return items
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_map_tensors(item, function) for item in value))
+    if isinstance(value, list | tuple):
+        return type(value)(_map_tensors(item, function) for item in value)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        changes = {
+            f.name: _map_tensors(getattr(value, f.name), function)
+            for f in dataclasses.fields(value)
+            if f.init
+        }
+        return dataclasses.replace(value, **changes)
+    return value
+
+
+def _comparable(value: Any) -> bool:
+    return value is None or isinstance(
+        value, torch.Tensor | bool | int | float | complex | str | bytes
+    )
+
+
+# --- bitwise comparison --------------------------------------------------------------
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's elements as integers with the same bits (NaN and -0.0 kept apart)."""
+    tensor = tensor.detach()
+    if tensor.layout != torch.strided:
+        tensor = tensor.to_dense()
+    tensor = tensor.resolve_conj().resolve_neg()
+    if tensor.is_complex():
+        tensor = torch.view_as_real(tensor)
+    if tensor.dtype == torch.bool:
+        return tensor.view(torch.uint8)
+    if tensor.is_floating_point():
+        return tensor.view(_INTEGER_OF_SIZE[tensor.element_size()])
+    return tensor
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Same dtype, shape, device and bits in every element."""
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.device == b.device
+        and torch.equal(_bits(a), _bits(b))
+    )
+
+
+def _format_number(value: Any) -> str:
+    return f"{value:.9g}" if isinstance(value, float) else repr(value)
+
+
+def describe_tensor_difference(name: str, a: torch.Tensor, b: torch.Tensor, run: int) -> str:
+    """One line: how many elements differ, the largest difference, the first differing one."""
+    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
+        return (
+            f"{name}: {a.dtype} {tuple(a.shape)} on {a.device} in run 1, "
+            f"{b.dtype} {tuple(b.shape)} on {b.device} in run {run}"
+        )
+    a, b = a.detach(), b.detach()
+    differs = _bits(a) != _bits(b)
+    if differs.dim() > a.dim():  # complex: real and imaginary part
+        differs = differs.any(dim=-1)
+    parts = [f"{int(differs.sum())} of {a.numel()} elements differ"]
+    if a.is_floating_point() or a.is_complex():
+        wide = torch.complex128 if a.is_complex() else torch.float64
+        x, y = a[differs].to(wide), b[differs].to(wide)
+        nan_in_one = x.isnan() ^ y.isnan()
+        numbers = ~(x.isnan() | y.isnan())
+        if numbers.any():
+            largest = float((x[numbers] - y[numbers]).abs().max())
+            parts.append(
+                f"largest absolute difference {largest:.3g}"
+                if largest
+                else "equal values with different bits (0.0 and -0.0)"
+            )
+        if nan_in_one.any():
+            parts.append(f"{int(nan_in_one.sum())} NaN in one run only")
+    else:
+        gap = (a[differs].long() - b[differs].long()).abs().max()
+        parts.append(f"largest absolute difference {int(gap)}")
+    first = tuple(int(i) for i in differs.nonzero()[0])
+    parts[-1] += (
+        f" (first at {list(first)}: {_format_number(a[first].item())} in run 1, "
+        f"{_format_number(b[first].item())} in run {run})"
+    )
+    return f"{name}: " + ", ".join(parts)
+
+
+def _describe_difference(name: str, a: Any, b: Any, run: int) -> str | None:
+    """``None`` when ``a`` and ``b`` agree bit for bit, else one line saying how they differ."""
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return None if bitwise_equal(a, b) else describe_tensor_difference(name, a, b, run)
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return f"{name}: {_summary(a)} in run 1, {_summary(b)} in run {run}"
+    if type(a) is type(b) and repr(a) == repr(b):
+        return None
+    return f"{name}: {a!r} in run 1, {b!r} in run {run}"
+
+
+def _summary(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    if value is None:
+        return "None (no gradient: not reached by the backward pass)"
+    return repr(value)
+
+
+def _differences(
+    reference: dict[str, Any], other: dict[str, Any], run: int
+) -> list[tuple[str, str | None]]:
+    """``(name, description)`` of each entry that differs; only the first is described."""
+    found: list[tuple[str, str | None]] = []
+    for name in [*reference, *(n for n in other if n not in reference)]:
+        if name not in reference or name not in other:
+            where = "run 1" if name in reference else f"run {run}"
+            found.append((name, f"{name}: present only in {where}"))
+            continue
+        a, b = reference[name], other[name]
+        if found:
+            same = (
+                bitwise_equal(a, b)
+                if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
+                else _describe_difference(name, a, b, run) is None
+            )
+            if not same:
+                found.append((name, None))
+        else:
+            description = _describe_difference(name, a, b, run)
+            if description is not None:
+                found.append((name, description))
+    return found
+
+
+# --- one run from the starting conditions --------------------------------------------
+
+
+@dataclasses.dataclass
+class _RunResult:
+    outputs: Any
+    values: dict[str, Any]
+
+
+def _module_of(target: Callable[..., Any]) -> nn.Module | None:
+    if isinstance(target, nn.Module):
+        return target
+    owner = getattr(target, "__self__", None)
+    return owner if isinstance(owner, nn.Module) else None
+
+
+class _Subject:
+    """The model or function under test, with the state every run starts from."""
+
+    def __init__(self, target: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> None:
+        self.target = target
+        self.args = args
+        self.kwargs = kwargs
+        module = _module_of(target)
+        self.parameters = (
+            [(name, p) for name, p in module.named_parameters() if p.requires_grad]
+            if module
+            else []
+        )
+        # Parameters change only through ops that bump their version counter; buffers
+        # not always (batch norm updates its running statistics without a bump), so
+        # buffers are compared by value. Entries: (owner dict, key, name, tensor, copy).
+        self._parameter_state: list[_Slot] = []
+        self._buffer_state: list[_Slot] = []
+        copies: dict[int, torch.Tensor] = {}
+        for prefix, submodule in module.named_modules(remove_duplicate=False) if module else ():
+            for slots, tensors in (
+                (self._parameter_state, submodule._parameters),
+                (self._buffer_state, submodule._buffers),
+            ):
+                for key, tensor in tensors.items():
+                    if tensor is not None:
+                        if id(tensor) not in copies:
+                            copies[id(tensor)] = tensor.detach().clone()
+                        name = f"{prefix}.{key}" if prefix else key
+                        slots.append(_Slot(tensors, key, name, tensor, copies[id(tensor)]))
+        self._versions = [slot.tensor._version for slot in self._parameter_state]
+        self._rng = global_state.snapshot()
+        self._differentiate_all_inputs = not self.parameters and not any(
+            isinstance(t, torch.Tensor) and t.requires_grad
+            for _, t in _named_leaves((args, kwargs), "")
+        )
+
+    def reset(self) -> None:
+        """Parameters, buffers and global RNG states as they were when the check started."""
+        with torch.no_grad():
+            for position, slot in enumerate(self._parameter_state):
+                slot.put_back()
+                if slot.tensor._version != self._versions[position]:
+                    slot.tensor.copy_(slot.saved)
+                    self._versions[position] = slot.tensor._version
+            for slot in self._buffer_state:
+                slot.put_back()
+                if not bitwise_equal(slot.tensor, slot.saved):
+                    slot.tensor.copy_(slot.saved)
+        global_state.restore(self._rng)
+
+    def fresh_inputs(self) -> tuple[tuple, dict[str, Any], list[tuple[str, torch.Tensor]]]:
+        """Copies of the inputs (aliasing kept) and the ones to differentiate, by name."""
+        copies: dict[int, torch.Tensor] = {}
+        differentiated: list[tuple[str, torch.Tensor]] = []
+
+        def copy(tensor: torch.Tensor) -> torch.Tensor:
+            if id(tensor) not in copies:
+                clone = tensor.detach().clone()
+                if (tensor.requires_grad or self._differentiate_all_inputs) and (
+                    clone.is_floating_point() or clone.is_complex()
+                ):
+                    clone.requires_grad_(True)
+                copies[id(tensor)] = clone
+            return copies[id(tensor)]
+
+        args = _map_tensors(self.args, copy)
+        kwargs = _map_tensors(self.kwargs, copy)
+        named = [*enumerate(args), *kwargs.items()]
+        seen: set[int] = set()
+        for key, value in named:
+            for name, leaf in _named_leaves(value, f"input {key}"):
+                if isinstance(leaf, torch.Tensor) and leaf.requires_grad and id(leaf) not in seen:
+                    seen.add(id(leaf))
+                    differentiated.append((name, leaf))
+        return args, kwargs, differentiated
+
+    def changed_buffers(self) -> dict[str, Any]:
+        """Copies of the buffers the run changed (in place or by assignment)."""
+        changed = {}
+        for slot in self._buffer_state:
+            current = slot.owner.get(slot.key)
+            if current is not slot.tensor or not bitwise_equal(current, slot.saved):
+                changed[f"buffer {slot.name} after the run"] = (
+                    current.detach().clone() if isinstance(current, torch.Tensor) else current
+                )
+        return changed
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slot:
+    """Where a module keeps one parameter or buffer, the tensor and its starting value."""
+
+    owner: dict[str, Any]
+    key: str
+    name: str
+    tensor: torch.Tensor
+    saved: torch.Tensor
+
+    def put_back(self) -> None:
+        if self.owner.get(self.key) is not self.tensor:
+            self.owner[self.key] = self.tensor
+
+
+class _Cotangents:
+    """One fixed random cotangent per differentiated output, the same in every run."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._cache: dict[tuple, torch.Tensor] = {}
+
+    def __call__(self, name: str, output: torch.Tensor) -> torch.Tensor:
+        key = (name, tuple(output.shape), output.dtype, output.device)
+        if key not in self._cache:
+            generator = torch.Generator().manual_seed(self.seed + zlib.crc32(name.encode()))
+            dtype = (
+                output.dtype
+                if output.dtype in (torch.float64, torch.complex128)
+                else (torch.complex64 if output.is_complex() else torch.float32)
+            )
+            sample = torch.randn(output.shape, generator=generator, dtype=dtype)
+            self._cache[key] = sample.to(device=output.device, dtype=output.dtype)
+        return self._cache[key]
+
+    def state(self) -> dict[tuple, torch.Tensor]:
+        return self._cache
+
+
+def _run_once(
+    subject: _Subject,
+    cotangents: _Cotangents,
+    recording: contextlib.AbstractContextManager[Any] | None = None,
+) -> _RunResult:
+    """One forward and backward from the starting conditions, under ``recording`` if given."""
+    subject.reset()
+    args, kwargs, differentiated_inputs = subject.fresh_inputs()
+    try:
+        with recording or contextlib.nullcontext():
+            outputs, leaves, wrt, grads = _forward_backward(
+                subject, cotangents, args, kwargs, differentiated_inputs
+            )
+    except RuntimeError as error:
+        if NO_DETERMINISTIC_IMPLEMENTATION in str(error) or CUBLAS_NOT_DETERMINISTIC in str(error):
+            raise _NondeterministicOpRaised(error) from error
+        raise
+    values: dict[str, Any] = {
+        name: leaf.detach() if isinstance(leaf, torch.Tensor) else leaf
+        for name, leaf in leaves
+        if _comparable(leaf)
+    }
+    values.update((f"grad of {name}", grad) for (name, _), grad in zip(wrt, grads, strict=True))
+    values.update(subject.changed_buffers())
+    return _RunResult(_map_tensors(outputs, torch.Tensor.detach), values)
+
+
+def _forward_backward(
+    subject: _Subject,
+    cotangents: _Cotangents,
+    args: tuple,
+    kwargs: dict[str, Any],
+    differentiated_inputs: list[tuple[str, torch.Tensor]],
+) -> tuple[Any, list[tuple[str, Any]], list[tuple[str, torch.Tensor]], tuple]:
+    outputs = subject.target(*args, **kwargs)
+    leaves = list(_named_leaves(outputs, "output"))
+    differentiable = [
+        (name, t)
+        for name, t in leaves
+        if isinstance(t, torch.Tensor)
+        and t.requires_grad
+        and (t.is_floating_point() or t.is_complex())
+    ]
+    wrt = [*subject.parameters, *differentiated_inputs]
+    grads: tuple[torch.Tensor | None, ...] = (None,) * len(wrt)
+    if differentiable and wrt:
+        grads = torch.autograd.grad(
+            [t for _, t in differentiable],
+            [t for _, t in wrt],
+            [cotangents(name, t) for name, t in differentiable],
+            allow_unused=True,
+        )
+    return outputs, leaves, wrt, grads
+
+
+class _NondeterministicOpRaised(Exception):
+    def __init__(self, error: RuntimeError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+# --- localization: op fingerprints and decisions -------------------------------------
+
+
+def _fingerprint(value: Any) -> Any:
+    """A position-sensitive hash of a tensor's bits; integer sums wrap, so it is exact."""
+    if isinstance(value, torch.Tensor):
+        bits = _bits(value).reshape(-1).to(torch.int64)
+        weights = torch.arange(bits.numel(), dtype=torch.int64, device=bits.device)
+        weights = weights * 2654435761 + 40503
+        return (
+            value.dtype,
+            tuple(value.shape),
+            int((bits * weights).sum()),
+            int((bits ^ weights).sum()),
+        )
+    if isinstance(value, list | tuple):
+        return tuple(_fingerprint(item) for item in value)
+    return value if _comparable(value) else type(value).__name__
+
+
+@dataclasses.dataclass
+class _OpRecord:
+    op: str
+    site: str
+    inputs: tuple
+    outputs: Any
+    explicit_generator: bool
+
+
+class _GraphTagger(TorchFunctionMode):
+    """Marks each new autograd node with the user's line whose call created it."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        pending = [t.grad_fn for _, t in _named_leaves(result, "") if isinstance(t, torch.Tensor)]
+        site = None
+        while pending:
+            node = pending.pop()
+            if node is None or _SITE_KEY in node.metadata:
+                continue
+            if site is None:
+                location = control_flow.user_location(sys._getframe(1))
+                name = getattr(func, "__name__", str(func))
+                site = f"{name} at {location}" if location else name
+            node.metadata[_SITE_KEY] = site
+            pending.extend(next_node for next_node, _ in node.next_functions)
+        return result
+
+
+class _OpRecorder(TorchDispatchMode):
+    """Fingerprints inputs and outputs of every aten op, in forward and backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[_OpRecord] = []
+        self.failed_site: str | None = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunction():
+            inputs = _fingerprint((*args, *kwargs.values()))
+        try:
+            result = func(*args, **kwargs)
+        except RuntimeError:
+            self.failed_site = _op_site(sys._getframe(1))
+            raise
+        generator = kwargs.get("generator")
+        with torch._C.DisableTorchFunction():
+            outputs = _fingerprint(result)
+        self.ops.append(
+            _OpRecord(
+                str(func),
+                _op_site(sys._getframe(1)),
+                inputs,
+                outputs,
+                generator is not None and generator is not torch.default_generator,
+            )
+        )
+        return result
+
+
+def _op_site(frame) -> str:
+    location = control_flow.user_location(frame)
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return f"forward at {location}" if location else "forward"
+    forward = node.metadata.get(_SITE_KEY)
+    where = f"at {location}" if location else f"of {forward}" if forward else ""
+    return " ".join(filter(None, ["backward", f"({node.name()})", where]))
+
+
+@dataclasses.dataclass
+class _RecordedRun:
+    result: _RunResult | None
+    decisions: control_flow.DecisionLog
+    recorder: _OpRecorder
+    error: _NondeterministicOpRaised | None = None
+
+
+def _recorded_run(subject: _Subject, cotangents: _Cotangents) -> _RecordedRun:
+    recorder = _OpRecorder()
+    logs: list[control_flow.DecisionLog] = []
+
+    @contextlib.contextmanager
+    def recording() -> Iterator[None]:
+        with control_flow.record_decisions() as decisions, _GraphTagger(), recorder:
+            logs.append(decisions)
+            yield
+
+    try:
+        result = _run_once(subject, cotangents, recording())
+    except _NondeterministicOpRaised as error:
+        return _RecordedRun(None, logs[0], recorder, error)
+    return _RecordedRun(result, logs[0], recorder)
+
+
+def _first_op_difference(a: list[_OpRecord], b: list[_OpRecord]) -> str | None:
+    for index, (x, y) in enumerate(zip(a, b, strict=False)):
+        number = index + 1
+        if x.op != y.op:
+            return (
+                f"the runs stop doing the same ops at op #{number}: {x.op} ({x.site}) in run 1, "
+                f"{y.op} ({y.site}) in run 2; every op before it computed identical values, "
+                "so the branch was decided by something outside torch's ops "
+                "(the clock, the OS, a generator or global state the check does not reset)"
+            )
+        if x.inputs != y.inputs:
+            argument = next(
+                i for i, (p, q) in enumerate(zip(x.inputs, y.inputs, strict=False)) if p != q
+            )
+            return (
+                f"first differing op: #{number} {x.op} ({x.site}): its argument {argument} "
+                "differs although every earlier op computed identical values, so that data "
+                "came from outside torch's ops (NumPy, Python's random, the clock, the OS, "
+                "a tensor built from Python values)"
+            )
+        if x.outputs != y.outputs:
+            cause = "so this op itself is not deterministic"
+            if x.op.split(".")[1] in _RANDOM_OPS or "dropout" in x.op:
+                cause = (
+                    "so this random op drew different numbers: it used a generator whose "
+                    "state is not reset between runs"
+                    + (
+                        " (an explicit torch.Generator; seed it from a fixed seed right before "
+                        "use, or use the global RNG)"
+                        if x.explicit_generator
+                        else ""
+                    )
+                )
+            return (
+                f"first differing op: #{number} {x.op} ({x.site}): same inputs in both "
+                f"runs, different outputs, {cause}"
+            )
+    if len(a) != len(b):
+        return (
+            f"run 1 ran {len(a)} ops, run 2 ran {len(b)}; the first {min(len(a), len(b))} matched"
+        )
+    return None
+
+
+def _localize(subject: _Subject, cotangents: _Cotangents, attempts: int) -> list[str]:
+    reference = _recorded_run(subject, cotangents)
+    for attempt in range(1, attempts + 1):
+        other = _recorded_run(subject, cotangents)
+        divergence = control_flow.first_divergence(reference.decisions, other.decisions)
+        op_difference = _first_op_difference(reference.recorder.ops, other.recorder.ops)
+        if divergence or op_difference:
+            lines = [
+                "Localized by rerunning under an op recorder "
+                f"(rerun {attempt + 1} differed from rerun 1):"
+            ]
+            if divergence:
+                lines.append(control_flow.describe_divergence(divergence, run=2))
+            if op_difference:
+                lines.append(op_difference)
+            return lines
+    return [
+        f"Not localized: {attempts + 1} reruns under the op recorder agreed with each other "
+        "(the nondeterminism depends on timing, or the recorder changed it)"
+    ]
+
+
+# --- the check ------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DeterminismResult:
+    """The first run's results (all runs agreed bit for bit).
+
+    ``outputs`` has the structure the model returned, tensors detached.
+    ``parameter_grads`` maps parameter names to gradients (``None`` where the
+    backward pass did not reach the parameter); ``input_grads`` maps input names
+    (``"input 0"``, ``"input mask"``, ``"input 0[1]"``) the same way.
+    ``buffers`` holds the buffers the forward changed, after the run.
+    """
+
+    outputs: Any
+    parameter_grads: dict[str, torch.Tensor | None]
+    input_grads: dict[str, torch.Tensor | None]
+    buffers: dict[str, torch.Tensor]
+    runs: int
+
+
+def _result(subject: _Subject, run: _RunResult, runs: int) -> DeterminismResult:
+    parameter_names = {name for name, _ in subject.parameters}
+    grads = {
+        name.removeprefix("grad of "): value
+        for name, value in run.values.items()
+        if name.startswith("grad of ")
+    }
+    buffers = {
+        name.removeprefix("buffer ").removesuffix(" after the run"): value
+        for name, value in run.values.items()
+        if name.startswith("buffer ")
+    }
+    return DeterminismResult(
+        outputs=run.outputs,
+        parameter_grads={k: v for k, v in grads.items() if k in parameter_names},
+        input_grads={k: v for k, v in grads.items() if k not in parameter_names},
+        buffers=buffers,
+        runs=runs,
+    )
+
+
+def _mismatch_report(
+    differences: list[tuple[str, str | None]], run: int, runs: int, label: str
+) -> list[str]:
+    first = differences[0][1]
+    lines = [
+        f"{label} differs from run 1 although both started from the same parameters, "
+        "buffers, RNG states and inputs:",
+        f"  {first}",
+    ]
+    others = [name for name, _ in differences[1:]]
+    if others:
+        listed = ", ".join(others[:_LISTED_DIFFERENCES])
+        more = len(others) - _LISTED_DIFFERENCES
+        lines.append(f"  also differ: {listed}" + (f" and {more} more" if more > 0 else ""))
+    return lines
+
+
+def _nondeterministic_op_error(
+    subject: _Subject, cotangents: _Cotangents, raised: _NondeterministicOpRaised
+) -> NondeterministicOpError:
+    message = str(raised.error)
+    rerun = _recorded_run(subject, cotangents)
+    site = rerun.recorder.failed_site
+    if CUBLAS_NOT_DETERMINISTIC in message and NO_DETERMINISTIC_IMPLEMENTATION not in message:
+        return NondeterministicOpError(
+            f"A cuBLAS op ({site or 'site unknown'}) refused to run deterministically: torch "
+            f"{torch.__version__} needs "
+            f"{CUBLAS_WORKSPACE_VARIABLE}={DETERMINISTIC_CUBLAS_CONFIGS[0]} "
+            "set before CUDA starts. Set it in the environment that runs pytest.\n"
+            f"torch said: {message}"
+        )
+    op = message.split(NO_DETERMINISTIC_IMPLEMENTATION)[0].strip() or "an op"
+    lines = [
+        f"{op} has no deterministic implementation on this device, and the check runs with "
+        "torch.use_deterministic_algorithms(True), so torch refused to run it.",
+        f"  where: {site or 'unknown (the op recorder did not see it again)'}",
+        "Usual ways out:",
+        "  - compute it with ops that are deterministic: scatter_add_/index_add_/index_put_"
+        "(accumulate=True) on CUDA have deterministic versions, while put_, "
+        "bincount/histc, and the backward of adaptive pooling, interpolate (linear modes), "
+        "grid_sample and reflection padding have none; a one-hot matmul or sort + "
+        "segment sum replaces scatter-style sums",
+        "  - run just this op on the CPU (.cpu(), then .to(device)) where it is deterministic",
+        "  - if exact reproducibility of this op does not matter: run it inside "
+        "torch.use_deterministic_algorithms(True, warn_only=True) and restore the flag "
+        "afterwards; then this test cannot prove the model bitwise reproducible",
+        f"torch said: {message.split('. ')[0]}.",
+    ]
+    return NondeterministicOpError("\n".join(lines))
+
+
+def check_determinism(
+    model_or_function: Callable[..., Any],
+    *inputs: Any,
+    runs: int = 3,
+    cross_process: bool = False,
+    cotangent_seed: int = DEFAULT_SEED,
+    **kwargs: Any,
+) -> DeterminismResult:
+    """Run forward and backward ``runs`` times from identical conditions; all must agree.
+
+    Every run starts from the same parameters and buffers, the same global RNG
+    states (Python, NumPy, torch CPU and CUDA) and fresh copies of ``inputs`` and
+    ``kwargs``; the model and inputs are left as they were. A fixed random
+    cotangent (seeded by ``cotangent_seed``) is pulled back through every
+    floating-point output that requires grad, with ``torch.autograd.grad``, so
+    ``.grad`` attributes are not touched. Gradients are taken for every parameter
+    that requires grad and every floating-point input that requires grad; when
+    nothing requires grad, for every floating-point input.
+
+    ``cross_process=True`` makes the last run happen in a fresh Python process with
+    the same thread count (model, function and inputs must be picklable).
+
+    Raises :class:`DeterminismError` naming the first differing tensor, then the first
+    aten op or Python decision where the runs part, or :class:`NondeterministicOpError`
+    when an op has no deterministic implementation.
+    """
+    __tracebackhide__ = True
+    if not callable(model_or_function):
+        raise TypeError(
+            "model_or_function must be an nn.Module or a callable, "
+            f"got {type(model_or_function).__name__}"
+        )
+    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 2:
+        raise ValueError(
+            f"runs must be an integer >= 2 (two runs to compare at least), got {runs!r}"
+        )
+    if not isinstance(cross_process, bool):
+        raise TypeError(f"cross_process must be True or False, got {cross_process!r}")
+    subject = _Subject(model_or_function, inputs, kwargs)
+    cotangents = _Cotangents(cotangent_seed)
+    payload = b""
+    try:
+        reference = _run_once(subject, cotangents)
+        if cross_process:
+            payload = _child_payload(subject, cotangents)
+        for run in range(2, runs + 1):
+            in_child = cross_process and run == runs
+            other = _run_in_child(payload) if in_child else _run_once(subject, cotangents)
+            differences = _differences(reference.values, other.values, run)
+            if differences:
+                label = f"Run {run} of {runs}" + (" (in a fresh process)" if in_child else "")
+                lines = _mismatch_report(differences, run, runs, label)
+                if in_child:
+                    lines.append(
+                        "In-process runs agreed: the difference shows only across processes "
+                        "(thread pools, memory addresses, hash seeds, lazily initialized state)."
+                    )
+                else:
+                    lines.extend(_localize(subject, cotangents, attempts=max(runs, 3)))
+                raise DeterminismError("\n".join(lines))
+    except _NondeterministicOpRaised as raised:
+        raise _nondeterministic_op_error(subject, cotangents, raised) from None
+    finally:
+        subject.reset()
+    return _result(subject, reference, runs)
+
+
+# --- the cross-process run ------------------------------------------------------------
+
+
+def _child_payload(subject: _Subject, cotangents: _Cotangents) -> bytes:
+    subject.reset()
+    payload = {
+        "target": subject.target,
+        "args": subject.args,
+        "kwargs": subject.kwargs,
+        "rng": _rng_states(),
+        "cotangents": cotangents.state(),
+        "cotangent_seed": cotangents.seed,
+        "threads": torch.get_num_threads(),
+        "deterministic": (
+            torch.are_deterministic_algorithms_enabled(),
+            torch.is_deterministic_algorithms_warn_only_enabled(),
+        ),
+        "cudnn": (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark),
+    }
+    buffer = io.BytesIO()
+    try:
+        torch.save(payload, buffer)
+    except (pickle.PicklingError, AttributeError, TypeError) as error:
+        raise TypeError(
+            "cross_process=True sends the model or function and the inputs to a fresh "
+            f"process by pickling, which failed: {error}. Define the model class or function "
+            "at module level in an importable module (not inside a test function, not a "
+            "lambda) and pass tensors and plain Python values as inputs."
+        ) from error
+    return buffer.getvalue()
+
+
+def _rng_states() -> dict[str, Any]:
+    import random
+
+    states: dict[str, Any] = {"python": random.getstate(), "cpu": torch.get_rng_state()}
+    if torch.cuda.is_initialized():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        states["numpy"] = numpy.random.get_state()
+    return states
+
+
+def _set_rng_states(states: dict[str, Any]) -> None:
+    import random
+
+    random.setstate(states["python"])
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state_all(states["cuda"])
+    if "numpy" in states:
+        import numpy
+
+        numpy.random.set_state(states["numpy"])
+
+
+def _run_in_child(payload: bytes) -> _RunResult:
+    with tempfile.TemporaryDirectory(prefix="determinism-") as folder:
+        request, response = Path(folder, "request.pt"), Path(folder, "response.pt")
+        request.write_bytes(payload)
+        environment = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        finished = subprocess.run(
+            [sys.executable, "-m", __name__, str(request), str(response)],
+            env=environment,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if finished.returncode != 0:
+            raise DeterminismError(
+                f"The cross-process run failed (exit status {finished.returncode}):\n"
+                f"{finished.stderr.strip()[-3000:]}"
+            )
+        loaded = torch.load(response, weights_only=False)
+    return _RunResult(loaded["outputs"], loaded["values"])
+
+
+def _child_main(request: str, response: str) -> None:
+    payload = torch.load(request, weights_only=False)
+    torch.set_num_threads(payload["threads"])
+    torch.use_deterministic_algorithms(
+        payload["deterministic"][0], warn_only=payload["deterministic"][1]
+    )
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = payload["cudnn"]
+    _set_rng_states(payload["rng"])
+    subject = _Subject(payload["target"], payload["args"], payload["kwargs"])
+    cotangents = _Cotangents(payload["cotangent_seed"])
+    cotangents.state().update(payload["cotangents"])
+    result = _run_once(subject, cotangents)
+    torch.save({"outputs": result.outputs, "values": result.values}, response)
+
+
+if __name__ == "__main__":
+    _child_main(*sys.argv[1:3])
