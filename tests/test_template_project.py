@@ -1,0 +1,42 @@
+"""A generated project installs, passes its own pre-commit hooks and its own tests, as generated."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+from conftest import ProjectEnv
+
+COMBINATIONS = {
+    "defaults": {},
+    "own-names-py310-no-jupyter": {
+        "project": "Recursive.Nets",
+        "package": "recnets",
+        "python_version": "3.10",
+        "jupyter": False,
+        "license": "Apache-2.0",
+    },
+}
+
+
+def git(project, *args: str) -> None:
+    subprocess.run(["git", *args], cwd=project, check=True, capture_output=True, text=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("answers", COMBINATIONS.values(), ids=COMBINATIONS.keys())
+def test_fresh_project_passes_its_own_checks(bake, project_env: ProjectEnv, answers):
+    project = bake(**answers)
+    project_env.install(project)
+    git(project, "init", "--quiet")
+    git(project, "add", "--all")
+
+    hooks = project_env.run(
+        "pre_commit", "run", "--all-files", "--show-diff-on-failure", cwd=project, check=False
+    )
+    assert hooks.returncode == 0, f"pre-commit failed on the fresh project:\n{hooks.stdout}"
+    assert "Failed" not in hooks.stdout
+
+    tests = project_env.run("pytest", "-p", "no:cacheprovider", cwd=project, check=False)
+    assert tests.returncode == 0, f"the project's tests failed:\n{tests.stdout}\n{tests.stderr}"
+    assert " passed" in tests.stdout.splitlines()[-1]
