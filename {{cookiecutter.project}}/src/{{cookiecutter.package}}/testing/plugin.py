@@ -105,12 +105,12 @@ class TorchTestingPlugin:
         )
 
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        if self.gpu_enabled:
-            return
         skip = pytest.mark.skip(reason=HOW_TO_RUN_GPU_TESTS)
         for item in items:
             if is_gpu_test(item):
-                item.add_marker(skip)
+                gpus_needed(item)  # a wrong count is reported with or without --gpu
+                if not self.gpu_enabled:
+                    item.add_marker(skip)
 
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         if not (self.gpu_enabled and is_gpu_test(item)):
@@ -176,8 +176,8 @@ class XdistHooks:
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_xdist_auto_num_workers(self, config: pytest.Config) -> int | None:
-        if not config.getoption("gpu"):
-            return None
+        if not config.getoption("gpu") or os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+            return None  # the user's own choice wins
         visible = gpus.visible_devices(os.environ.get(VISIBLE_DEVICES), gpus.query_gpus())
         return len(visible) or None
 
