@@ -312,3 +312,37 @@ def autograd_determinism() -> Any:
 
     with deterministic_mode():
         yield check_determinism
+
+
+@pytest.fixture
+def gradcheck(request: pytest.FixtureRequest) -> Any:
+    """``gradcheck(model_or_function, *inputs, params=True, gradgrad=False, fast=None, ...)``.
+
+    Compares autograd's gradients with finite differences, in float64, for the inputs
+    that require grad and every parameter (second order too with ``gradgrad=True``),
+    leaving the model, the inputs and the global state as they were. A failure names
+    the tensor and element, the numbers, and whether the point sits on a branch
+    boundary or a kink instead. With ``-v`` each check writes one line: what was
+    checked and in which mode. See :func:`.gradcheck.gradcheck` for the options.
+    """
+    from .gradcheck import gradcheck as check
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        result = check(*args, **kwargs)
+        request.node.add_report_section("call", "gradcheck", str(result))
+        if request.config.get_verbosity() > 0:
+            write_live(request.config, str(result))
+        return result
+
+    return checked
+
+
+def write_live(config: pytest.Config, line: str) -> None:
+    """Write a line to the terminal now, past output capturing (no terminal under xdist)."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or capture is None:
+        return
+    with capture.global_and_fixture_disabled():
+        reporter.write_line(line)

@@ -1,0 +1,1048 @@
+"""Check the gradients of a whole dynamic model numerically: inputs and every parameter.
+
+``gradcheck(model, x)`` compares the gradients autograd computes with finite
+differences, for the inputs that require grad and every trainable parameter of the
+model. It works on float64 copies, so the model and tensors passed in keep their
+dtype, values, device and ``requires_grad``. The comparison itself is done by
+``torch.autograd.gradcheck`` (and ``gradgradcheck`` for second order); when it
+fails, this module finds the element that is wrong and says why:
+
+- a wrong gradient: the tensor and element (``parameter fc2.weight[3, 1]``), the
+  output element, the numerical and analytical values;
+- a branch boundary: the finite differences took another branch of a data-dependent
+  decision (``if h.mean() > 0``) than the point itself, found by recording each
+  evaluation's decisions with :mod:`.control_flow`;
+- a kink: the one-sided differences disagree (relu, abs, max, clamp evaluated exactly
+  where they switch).
+
+Cost. Slow mode compares every element: two forward passes per checked element, and
+one backward pass per output element. Fast mode compares, for each checked tensor,
+the derivative along one random direction, weighted by random output weights: two
+forward passes per checked tensor, whatever its size. With ``fast=None`` fast mode is
+used above ``FAST_MODE_ABOVE`` checked elements. After a failure in fast mode the
+offending tensor is rechecked element by element (located by bisection above
+``ELEMENTWISE_LIMIT`` elements), so the failure still names an element.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.autograd.gradcheck import GradcheckError
+from torch.utils import _pytree as pytree
+
+from .control_flow import Decision, DecisionLog, first_divergence, record_decisions
+from .global_state import restore, snapshot
+
+# Above this many checked elements (inputs and parameters together) fast=None picks
+# fast mode: slow mode would cost two forward passes per element.
+FAST_MODE_ABOVE = 2048
+# A failing tensor up to this size is rechecked element by element; a larger one is
+# first narrowed down by bisection over random directions.
+ELEMENTWISE_LIMIT = 1024
+# The diagnosis compares each output element separately up to this many output
+# elements (one backward pass each); above, one random weighting of the outputs.
+OUTPUT_ELEMENTS_LIMIT = 1024
+# Each evaluation of the function starts from this seed, so dropout drops the same
+# units in every evaluation.
+EVALUATION_SEED = 1234
+# avoid_boundaries=True: how far, and how many times, the point is moved.
+JITTER_SCALE = 1e-3
+JITTER_ATTEMPTS = 3
+
+_BISECTION_BLOCK = 16
+_ANALYTICAL_ENTRIES_LIMIT = 1 << 23
+
+__all__ = [
+    "ELEMENTWISE_LIMIT",
+    "FAST_MODE_ABOVE",
+    "BranchBoundary",
+    "GradcheckFailure",
+    "GradcheckResult",
+    "NonDifferentiablePoint",
+    "WrongGradient",
+    "gradcheck",
+]
+
+
+class GradcheckFailure(AssertionError):
+    """The gradient check failed; the message says which element and why."""
+
+
+class WrongGradient(GradcheckFailure):
+    """Autograd's gradient differs from the finite differences at ``tensor[index]``."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        tensor: str,
+        index: tuple[int, ...],
+        order: int,
+        numerical: float,
+        analytical: float,
+    ) -> None:
+        super().__init__(message)
+        self.tensor, self.index, self.order = tensor, index, order
+        self.numerical, self.analytical = numerical, analytical
+
+
+class BranchBoundary(GradcheckFailure):
+    """The point is within eps of a data-dependent decision: the gradient is not checkable there."""
+
+    def __init__(
+        self, message: str, *, tensor: str, index: tuple[int, ...], decision: Decision | None
+    ) -> None:
+        super().__init__(message)
+        self.tensor, self.index, self.decision = tensor, index, decision
+
+
+class NonDifferentiablePoint(GradcheckFailure):
+    """One-sided differences disagree at ``tensor[index]``: the function has a kink there."""
+
+    def __init__(
+        self, message: str, *, tensor: str, index: tuple[int, ...], left: float, right: float
+    ) -> None:
+        super().__init__(message)
+        self.tensor, self.index, self.left, self.right = tensor, index, left, right
+
+
+@dataclass(frozen=True)
+class GradcheckResult:
+    """What a passing check covered: ``str()`` of it is the line ``pytest -v`` shows."""
+
+    function: str
+    tensors: tuple[tuple[str, int], ...]
+    orders: tuple[int, ...]
+    fast: bool
+    mode_reason: str
+    moved: int
+    seconds: float
+
+    @property
+    def elements(self) -> int:
+        return sum(numel for _, numel in self.tensors)
+
+    def __str__(self) -> str:
+        order = " and ".join(("first", "second")[o - 1] for o in self.orders)
+        moved = f", at a point moved {self.moved}x off a boundary" if self.moved else ""
+        return (
+            f"gradcheck {self.function}: {order} order passed in {self.seconds:.2f} s, "
+            f"{_mode_text(self.fast, self.mode_reason)}, {len(self.tensors)} tensor(s) "
+            f"({', '.join(name for name, _ in self.tensors)}){moved}"
+        )
+
+
+def gradcheck(
+    model_or_function: Callable[..., Any],
+    /,
+    *inputs: Any,
+    params: bool | Iterable[str] = True,
+    gradgrad: bool = False,
+    fast: bool | None = None,
+    eps: float = 1e-6,
+    atol: float = 1e-5,
+    rtol: float = 1e-3,
+    avoid_boundaries: bool = False,
+    **kwargs: Any,
+) -> GradcheckResult:
+    """Check the gradients of ``model_or_function(*inputs, **kwargs)`` against finite differences.
+
+    Checked: every floating-point (or complex) tensor in ``inputs``/``kwargs`` that
+    requires grad and, for an ``nn.Module``, every parameter that requires grad
+    (``params=True``), none (``params=False``) or the parameters named in ``params``.
+    ``gradgrad=True`` checks second-order gradients as well. ``fast`` forces fast mode
+    (``True``) or slow mode (``False``); ``None`` picks fast mode above
+    ``FAST_MODE_ABOVE`` checked elements. ``avoid_boundaries=True`` retries at up to
+    ``JITTER_ATTEMPTS`` points moved by seeded noise of relative size ``JITTER_SCALE``
+    when the point is on a branch boundary or a kink.
+
+    Raises a :class:`GradcheckFailure` (an ``AssertionError``) naming the element on
+    failure, ``TypeError``/``ValueError`` for arguments it cannot check. The global
+    torch state (RNGs included) is the same afterwards as before.
+    """
+    __tracebackhide__ = True
+    if isinstance(params, Iterable) and not isinstance(params, (str, bytes)):
+        params = list(params)
+    _validate_options(model_or_function, params, gradgrad, fast, eps, atol, rtol, avoid_boundaries)
+    state = snapshot()
+    started = time.perf_counter()
+    try:
+        problem = _Problem(model_or_function, inputs, kwargs, params)
+        elements = sum(checked.value.numel() for checked in problem.checked)
+        if fast is None:
+            use_fast = elements > FAST_MODE_ABOVE
+            reason = (
+                f"{elements:,} elements > FAST_MODE_ABOVE={FAST_MODE_ABOVE:,}"
+                if use_fast
+                else f"{elements:,} elements <= FAST_MODE_ABOVE={FAST_MODE_ABOVE:,}"
+            )
+        else:
+            use_fast, reason = fast, f"fast={fast}"
+        orders = (1, 2) if gradgrad else (1,)
+        check = _Check(problem, fast=use_fast, reason=reason, eps=eps, atol=atol, rtol=rtol)
+        moved = 0
+        while True:
+            try:
+                for order in orders:
+                    check.run(order)
+                break
+            except (BranchBoundary, NonDifferentiablePoint) as failure:
+                if not avoid_boundaries:
+                    raise
+                if moved == JITTER_ATTEMPTS:
+                    raise type(failure)(
+                        f"{failure}\n(still so after moving the point {moved} times with "
+                        f"avoid_boundaries=True)",
+                        **_failure_fields(failure),
+                    ) from None
+                moved += 1
+                problem.jitter(moved)
+        return GradcheckResult(
+            function=problem.description,
+            tensors=tuple((c.name, c.numel) for c in problem.checked),
+            orders=orders,
+            fast=use_fast,
+            mode_reason=reason,
+            moved=moved,
+            seconds=time.perf_counter() - started,
+        )
+    finally:
+        restore(state)
+
+
+def _validate_options(function, params, gradgrad, fast, eps, atol, rtol, avoid_boundaries) -> None:
+    if not callable(function):
+        raise TypeError(
+            f"gradcheck: model_or_function must be an nn.Module or a callable, "
+            f"got {type(function).__name__} {function!r}"
+        )
+    for name, value in (("gradgrad", gradgrad), ("avoid_boundaries", avoid_boundaries)):
+        if not isinstance(value, bool):
+            raise TypeError(f"gradcheck: {name} must be True or False, got {value!r}")
+    if fast is not None and not isinstance(fast, bool):
+        raise TypeError(f"gradcheck: fast must be None, True or False, got {fast!r}")
+    if not (isinstance(params, bool) or _is_name_list(params)):
+        raise TypeError(
+            f"gradcheck: params must be True, False or a list of parameter names, got {params!r}"
+        )
+    for name, value, smallest in (("eps", eps, None), ("atol", atol, 0.0), ("rtol", rtol, 0.0)):
+        ok = (
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+        )
+        if not ok or (value <= 0 if smallest is None else value < smallest):
+            allowed = "a finite number > 0" if smallest is None else "a finite number >= 0"
+            raise ValueError(f"gradcheck: {name} must be {allowed}, got {value!r}")
+
+
+def _is_name_list(value: Any) -> bool:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        return False
+    return all(isinstance(item, str) for item in value)
+
+
+def _failure_fields(failure: GradcheckFailure) -> dict[str, Any]:
+    if isinstance(failure, BranchBoundary):
+        return {"tensor": failure.tensor, "index": failure.index, "decision": failure.decision}
+    assert isinstance(failure, NonDifferentiablePoint)
+    return {
+        "tensor": failure.tensor,
+        "index": failure.index,
+        "left": failure.left,
+        "right": failure.right,
+    }
+
+
+def _mode_text(fast: bool, reason: str) -> str:
+    if fast:
+        return (
+            f"fast mode ({reason}: one random direction per tensor; "
+            "fast=False checks every element)"
+        )
+    return f"slow mode ({reason}: every element)"
+
+
+# --- the function under check, on float64 copies --------------------------------------
+
+
+@dataclass
+class _Checked:
+    """One tensor whose gradient is checked, as a float64 (real view, if complex) copy."""
+
+    name: str
+    value: torch.Tensor
+    is_complex: bool
+
+    @property
+    def numel(self) -> int:
+        return self.value.numel()
+
+    def as_user(self, value: torch.Tensor) -> torch.Tensor:
+        return torch.view_as_complex(value) if self.is_complex else value
+
+    def index(self, flat: int) -> tuple[int, ...]:
+        return _unravel(flat, tuple(self.value.shape))
+
+    def element(self, flat: int) -> str:
+        index = self.index(flat)
+        part = ""
+        if self.is_complex:
+            index, part = index[:-1], (" (real part)", " (imaginary part)")[index[-1]]
+        return f"{self.name}[{', '.join(map(str, index))}]{part}" if index else self.name + part
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    index = []
+    for size in reversed(shape):
+        flat, rest = divmod(flat, size)
+        index.append(rest)
+    return tuple(reversed(index))
+
+
+def _float64_copy(tensor: torch.Tensor) -> torch.Tensor:
+    dtype = torch.complex128 if tensor.is_complex() else torch.float64
+    return tensor.detach().to(dtype=dtype, copy=True).contiguous()
+
+
+def _checked_copy(name: str, tensor: torch.Tensor) -> _Checked:
+    copy = _float64_copy(tensor)
+    if copy.is_complex():
+        return _Checked(name, torch.view_as_real(copy).clone(), True)
+    return _Checked(name, copy, False)
+
+
+class _Problem:
+    """``model_or_function`` as a function of the checked float64 tensors."""
+
+    def __init__(self, function, inputs: tuple, kwargs: dict, params) -> None:
+        self.module = function if isinstance(function, nn.Module) else None
+        self.function = function
+        self.description = _describe_callable(function)
+        self.checked: list[_Checked] = []
+        self._input_slots: list[tuple[int, int]] = []
+        self._param_slots: list[tuple[str, int]] = []
+        self._constants: dict[str, torch.Tensor] = {}
+        self._buffers: dict[str, torch.Tensor] = {}
+        self.output_names: list[str] | None = None
+        self.output_dtypes: list[torch.dtype] = []
+        integer_inputs: list[str] = []
+
+        paths_and_leaves, self._spec = pytree.tree_flatten_with_path((inputs, kwargs))
+        names = _positional_names(self.module.forward if self.module else function, len(inputs))
+        self._leaves: list[Any] = []
+        for position, (path, leaf) in enumerate(paths_and_leaves):
+            name = "input " + _input_name(path, names)
+            if isinstance(leaf, torch.Tensor):
+                if leaf.layout != torch.strided:
+                    raise TypeError(
+                        f"gradcheck: {name} is a {leaf.layout} tensor; only dense (strided) "
+                        f"tensors are supported: pass {name.split()[1]}.to_dense()"
+                    )
+                if leaf.requires_grad:
+                    self._input_slots.append((position, len(self.checked)))
+                    self.checked.append(_checked_copy(name, leaf))
+                    leaf = None
+                elif leaf.is_floating_point() or leaf.is_complex():
+                    leaf = _float64_copy(leaf)
+                else:
+                    integer_inputs.append(f"{name} ({leaf.dtype})")
+            self._leaves.append(leaf)
+
+        if self.module is not None:
+            named = dict(self.module.named_parameters())
+            wanted = self._wanted_parameters(named, params)
+            for name, parameter in named.items():
+                if name in wanted:
+                    self._param_slots.append((name, len(self.checked)))
+                    self.checked.append(_checked_copy(f"parameter {name}", parameter))
+                else:
+                    self._constants[name] = _float64_copy(parameter)
+            for name, buffer in self.module.named_buffers():
+                floating = buffer.is_floating_point() or buffer.is_complex()
+                self._buffers[name] = _float64_copy(buffer) if floating else buffer.detach().clone()
+        if not self.checked:
+            raise ValueError(self._nothing_to_check(params, integer_inputs))
+        self._generators = _generators(
+            [c.value for c in self.checked]
+            + [t for t in self._leaves if isinstance(t, torch.Tensor)]
+        )
+
+    def _wanted_parameters(self, named: dict[str, torch.Tensor], params) -> set[str]:
+        if params is True:
+            return {name for name, parameter in named.items() if parameter.requires_grad}
+        if params is False:
+            return set()
+        wanted = list(params)
+        unknown = [name for name in wanted if name not in named]
+        if unknown:
+            raise ValueError(
+                f"gradcheck: params names {unknown} that {self.description} does not have; "
+                f"its parameters are {sorted(named)}"
+            )
+        return set(wanted)
+
+    def _nothing_to_check(self, params, integer_inputs: list[str]) -> str:
+        lines = ["gradcheck: nothing to check: no input requires grad"]
+        if self.module is None:
+            lines[0] += f" and {self.description} is not an nn.Module, so it has no parameters"
+        elif params is False:
+            lines[0] += " and params=False"
+        else:
+            lines[0] += f" and no parameter of {self.description} requires grad"
+        if integer_inputs:
+            lines.append(
+                f"integer tensors have no gradient: {', '.join(integer_inputs)}; to check one, "
+                f"pass a floating-point copy, e.g. x.double().requires_grad_()"
+            )
+        lines.append(
+            "call .requires_grad_() on the floating-point inputs to check"
+            + (", or pass params=True" if self.module is not None and params is False else "")
+        )
+        return "\n".join(lines)
+
+    def evaluate(self, values: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """The floating-point outputs for these checked values; same RNG state every time."""
+        leaves = self._leaves.copy()
+        for position, slot in self._input_slots:
+            leaves[position] = self.checked[slot].as_user(values[slot])
+        args, kwargs = pytree.tree_unflatten(leaves, self._spec)
+        for generator in self._generators:
+            generator.manual_seed(EVALUATION_SEED)
+        if self.module is None:
+            output = self.function(*args, **kwargs)
+        else:
+            tensors = {name: buffer.clone() for name, buffer in self._buffers.items()}
+            tensors.update(self._constants)
+            for name, slot in self._param_slots:
+                tensors[name] = self.checked[slot].as_user(values[slot])
+            output = torch.func.functional_call(self.module, tensors, args, kwargs)
+        return self._floating_outputs(output)
+
+    def _floating_outputs(self, output: Any) -> tuple[torch.Tensor, ...]:
+        if isinstance(output, torch.Tensor):
+            items = [((), output)]
+        else:
+            items = pytree.tree_flatten_with_path(output)[0]
+        names, tensors = [], []
+        for path, leaf in items:
+            if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex()):
+                names.append("output" + pytree.keystr(path))
+                tensors.append(torch.view_as_real(leaf) if leaf.is_complex() else leaf)
+        if not tensors:
+            raise TypeError(
+                f"gradcheck: {self.description} returned {_describe_output(output)}, which holds "
+                f"no floating-point tensor: there is nothing to differentiate; return the "
+                f"tensor(s) whose gradients should be checked (a tensor, or a tuple, list or "
+                f"dict of tensors)"
+            )
+        if self.output_names is None:
+            self.output_names = names
+            self.output_dtypes = [t.dtype for t in tensors]
+        return tuple(tensors)
+
+    def jitter(self, attempt: int) -> None:
+        generator = torch.Generator().manual_seed(EVALUATION_SEED + attempt)
+        for checked in self.checked:
+            value = checked.value
+            scale = float(value.abs().mean()) or 1.0
+            noise = torch.randn(value.shape, generator=generator, dtype=value.dtype)
+            checked.value = value + JITTER_SCALE * scale * noise.to(value.device)
+
+
+def _generators(tensors: list[torch.Tensor]) -> list[torch.Generator]:
+    """The default generators of the devices in use: what dropout and friends draw from.
+
+    ``torch.manual_seed`` would do, but it also queues a seed for every CUDA device,
+    formatting a stack trace each time: a hundred times slower than a forward pass of
+    a small model.
+    """
+    generators = [torch.default_generator]
+    for index in sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"}):
+        generators.append(torch.cuda.default_generators[index])
+    return generators
+
+
+def _describe_callable(function: Any) -> str:
+    if isinstance(function, nn.Module):
+        return type(function).__name__
+    if inspect.ismethod(function):
+        owner = function.__self__
+        owner_name = owner.__name__ if isinstance(owner, type) else type(owner).__name__
+        return f"{owner_name}.{function.__name__}"
+    if inspect.isfunction(function):
+        return function.__qualname__
+    return getattr(function, "__name__", None) or type(function).__name__
+
+
+def _describe_output(output: Any) -> str:
+    if isinstance(output, torch.Tensor):
+        return f"a {output.dtype} tensor"
+    leaves = pytree.tree_leaves(output)
+    kinds = [
+        f"{leaf.dtype} tensor" if isinstance(leaf, torch.Tensor) else type(leaf).__name__
+        for leaf in leaves
+    ]
+    return f"{type(output).__name__} of [{', '.join(kinds)}]" if leaves else repr(output)
+
+
+def _positional_names(function: Callable[..., Any], count: int) -> list[str]:
+    names: list[str] = []
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        parameters = []
+    for parameter in parameters:
+        if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
+            names.append(parameter.name)
+        elif parameter.kind is parameter.VAR_POSITIONAL:
+            names.extend(f"{parameter.name}[{k}]" for k in range(count - len(names)))
+            break
+        else:
+            break
+    names.extend(str(position) for position in range(len(names), count))
+    return names[:count]
+
+
+def _input_name(path: tuple, positional: list[str]) -> str:
+    # Paths into ((args...), {kwargs}): (0, position, ...) or (1, name, ...).
+    group, key, rest = path[0], path[1], path[2:]
+    head = positional[key.idx] if group.idx == 0 else str(key.key)
+    return head + pytree.keystr(rest)
+
+
+# --- running torch's checks -------------------------------------------------------------
+
+
+class _Shift(torch.autograd.Function):
+    """``x + t * u`` for a scalar ``t``; the bare ``x`` (a view) when ``t`` is 0, at no cost."""
+
+    @staticmethod
+    def forward(ctx, x, t, u):
+        ctx.save_for_backward(u)
+        step = float(t)
+        return x.view_as(x) if step == 0.0 else torch.add(x, u, alpha=step)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (u,) = ctx.saved_tensors
+        return None, (grad * u).sum(), None
+
+
+def _random_weights(like: torch.Tensor, generator: torch.Generator, *, normalized: bool = True):
+    """Random weights between 0.5 and 1.5 shaped like ``like``; summing to 1 if ``normalized``.
+
+    Directions and output projections sum to 1, so that torch's tolerance ``atol`` means
+    the same for a weighted sum as for one element. The output weights of a second-order
+    check stand for a loss's gradient and are not scaled down, like ``gradgradcheck``'s.
+    """
+    weights = torch.rand(like.shape, generator=generator, dtype=torch.float64) + 0.5
+    return (weights / weights.sum() if normalized else weights).to(like.device)
+
+
+class _Check:
+    def __init__(
+        self, problem: _Problem, *, fast: bool, reason: str, eps: float, atol: float, rtol: float
+    ) -> None:
+        self.problem, self.fast, self.reason = problem, fast, reason
+        self.eps, self.atol, self.rtol = eps, atol, rtol
+
+    def run(self, order: int) -> None:
+        __tracebackhide__ = True
+        problem = self.problem
+        generator = torch.Generator().manual_seed(EVALUATION_SEED)
+        if self.fast:
+            function, inputs = self._directional(order, generator)
+        else:
+            function = problem.evaluate if order == 1 else None
+            inputs = [c.value.clone().requires_grad_() for c in problem.checked]
+        options = {"eps": self.eps, "atol": self.atol, "rtol": self.rtol}
+        try:
+            if self.fast or order == 1:
+                torch.autograd.gradcheck(lambda *values: function(values), inputs, **options)
+            else:
+                torch.autograd.gradgradcheck(
+                    lambda *values: problem.evaluate(values), inputs, **options
+                )
+        except GradcheckError as error:
+            raise _Diagnosis(self, order, str(error)).failure() from None
+
+    def _directional(self, order: int, generator: torch.Generator):
+        """A function of one scalar per checked tensor: its derivatives are fast mode's checks."""
+        checked = self.problem.checked
+        directions = [_random_weights(c.value, generator) for c in checked]
+        projections = [_random_weights(c.value, generator) for c in checked]
+        weights: list[torch.Tensor] = []
+
+        def evaluate(steps) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            values = [
+                _Shift.apply(c.value, t, u)
+                for c, t, u in zip(checked, steps, directions, strict=True)
+            ]
+            outputs = self.problem.evaluate(values)
+            if not weights:
+                weights.extend(
+                    _random_weights(o, generator, normalized=order == 1) for o in outputs
+                )
+            return values, [(w * o).sum() for w, o in zip(weights, outputs, strict=True)]
+
+        def first(steps):
+            return tuple(evaluate(steps)[1])
+
+        def second(steps):
+            values, sums = evaluate(steps)
+            differentiable = [s for s in sums if s.requires_grad]
+            if not differentiable:
+                return tuple(torch.zeros((), dtype=torch.float64, device=v.device) for v in values)
+            grads = torch.autograd.grad(
+                sum(differentiable), values, create_graph=True, allow_unused=True
+            )
+            return tuple(
+                (g * p).sum() if g is not None else torch.zeros((), dtype=v.dtype, device=v.device)
+                for g, p, v in zip(grads, projections, values, strict=True)
+            )
+
+        steps = [
+            torch.zeros((), dtype=torch.float64, device=c.value.device, requires_grad=True)
+            for c in checked
+        ]
+        return (first if order == 1 else second), steps
+
+
+# --- diagnosing a failure ---------------------------------------------------------------
+
+
+_MISMATCH = re.compile(r"output (\d+) with respect to input (\d+)")
+_CONTINUOUS = type("Continuous", (), {"__repr__": lambda self: "<number>"})()
+
+
+def _is_discrete(value: Any) -> bool:
+    if isinstance(value, (bool, int)):
+        return True
+    if isinstance(value, (list, tuple)):
+        return all(_is_discrete(item) for item in value)
+    return False
+
+
+def _branch_divergence(a: DecisionLog, b: DecisionLog):
+    """Where two runs took different branches: ``(decision at the point, other)`` or None.
+
+    Decisions that returned a float (``.item()`` of a float tensor) change with every
+    perturbation; they count only by where they were made, not by their value.
+    """
+
+    def branches(log: DecisionLog) -> list[Decision]:
+        return [
+            d if _is_discrete(d.value) else Decision(d.index, d.op, _CONTINUOUS, d.location)
+            for d in log
+        ]
+
+    found = first_divergence(branches(a), branches(b))
+    if found is None:
+        return None
+    k = found[0]
+    return (a[k - 1] if k <= len(a) else None, b[k - 1] if k <= len(b) else None, k)
+
+
+def _moved_numbers(a: DecisionLog, b: DecisionLog) -> list[tuple[Decision, Decision]]:
+    return [
+        (x, y)
+        for x, y in zip(a, b, strict=False)
+        if not _is_discrete(x.value) and x.op == y.op and repr(x.value) != repr(y.value)
+    ]
+
+
+@dataclass
+class _Finding:
+    kind: str  # "wrong", "boundary", "kink"
+    checked: _Checked
+    element: int
+    row: int
+    numerical: float
+    analytical: float
+    allowed: float
+    severity: float
+    divergence: tuple | None = None
+    side: str = ""
+    one_sided: tuple[float, float] = (0.0, 0.0)
+    moved: list = field(default_factory=list)
+
+
+class _Diagnosis:
+    """Finds, element by element, where and why a failed check's Jacobians disagree."""
+
+    def __init__(self, check: _Check, order: int, torch_message: str) -> None:
+        self.check, self.problem, self.order = check, check.problem, order
+        self.torch_message = torch_message
+        self.eps, self.atol, self.rtol = check.eps, check.atol, check.rtol
+        self.generator = torch.Generator().manual_seed(EVALUATION_SEED + 1)
+        self.point = [c.value for c in self.problem.checked]
+        self.weights: list[torch.Tensor] = []
+        values = [v.detach().requires_grad_() for v in self.point]
+        with record_decisions() as self.base_log:
+            outputs = self._target(values, graph=True)
+        # Like torch: first order compares only the outputs autograd connects to the inputs.
+        self.included = [o.requires_grad or order == 2 for o in outputs]
+        self.names = self._output_names()
+        flat = self._flat(outputs)
+        self.base = flat.detach()
+        self.rows = self._rows(flat.numel())
+        self.analytical = self._analytical(flat, values)
+
+    # the function whose Jacobian is diagnosed: the outputs, or (second order) the gradients
+    def _target(self, values: list[torch.Tensor], graph: bool) -> tuple[torch.Tensor, ...]:
+        outputs = self.problem.evaluate(values)
+        if self.order == 1:
+            return outputs
+        if not self.weights:
+            self.weights = [_random_weights(o, self.generator, normalized=False) for o in outputs]
+        total = sum(
+            (w * o).sum() for w, o in zip(self.weights, outputs, strict=True) if o.requires_grad
+        )
+        if not isinstance(total, torch.Tensor) or not total.requires_grad:
+            return tuple(torch.zeros_like(v) for v in values)
+        grads = torch.autograd.grad(total, values, create_graph=graph, allow_unused=True)
+        return tuple(
+            torch.zeros_like(v) if g is None else g for g, v in zip(grads, values, strict=True)
+        )
+
+    def _output_names(self) -> list[str]:
+        if self.order == 1:
+            return list(self.problem.output_names or [])
+        return [f"(gradient of {c.name}" for c in self.problem.checked]
+
+    def _flat(self, outputs) -> torch.Tensor:
+        parts = [
+            o.reshape(-1).to(torch.float64)
+            for o, keep in zip(outputs, self.included, strict=True)
+            if keep
+        ]
+        if not parts:
+            return torch.zeros(0, dtype=torch.float64, device=outputs[0].device)
+        return torch.cat(parts)
+
+    def _rows(self, size: int) -> torch.Tensor | None:
+        """``None``: compare every output element; else one random weighting of them."""
+        entries = size * sum(c.numel for c in self.problem.checked)
+        if size <= OUTPUT_ELEMENTS_LIMIT and entries <= _ANALYTICAL_ENTRIES_LIMIT:
+            return None
+        return _random_weights(self.base, self.generator).reshape(1, -1)
+
+    def _analytical(self, flat: torch.Tensor, values) -> list[torch.Tensor]:
+        """Per checked tensor, the rows of the analytical Jacobian: (rows, elements)."""
+        count = flat.numel() if self.rows is None else 1
+        result = [
+            torch.zeros(count, c.numel, dtype=torch.float64, device=c.value.device)
+            for c in self.problem.checked
+        ]
+        if not flat.requires_grad:
+            return result
+        for row in range(count):
+            target = flat[row] if self.rows is None else (flat * self.rows[0]).sum()
+            grads = torch.autograd.grad(target, values, retain_graph=True, allow_unused=True)
+            for tensor, grad in zip(result, grads, strict=True):
+                if grad is not None:
+                    tensor[row] = grad.reshape(-1)
+        return result
+
+    def _project(self, flat: torch.Tensor) -> torch.Tensor:
+        return flat if self.rows is None else self.rows @ flat
+
+    def _evaluate(self, index: int, step: torch.Tensor) -> tuple[torch.Tensor, DecisionLog]:
+        values = [v.detach().requires_grad_(self.order == 2) for v in self.point]
+        values[index] = (self.point[index] + step).requires_grad_(self.order == 2)
+        with record_decisions() as log:
+            outputs = self._target(values, graph=False)
+        return self._flat(outputs).detach(), log
+
+    def failure(self) -> GradcheckFailure:
+        hint = _MISMATCH.search(self.torch_message)
+        first = int(hint.group(2)) if hint else 0
+        count = len(self.problem.checked)
+        order = [first] + [i for i in range(count) if i != first] if first < count else range(count)
+        explained: list[_Finding] = []
+        for index in order:
+            findings = self._examine(index)
+            wrong = [f for f in findings if f.kind == "wrong"]
+            if wrong:
+                return self._wrong(wrong, findings, index)
+            explained.extend(findings)
+        boundaries = [f for f in explained if f.kind == "boundary"]
+        if boundaries:
+            return self._boundary(boundaries, explained)
+        if explained:
+            return self._kink(explained)
+        return GradcheckFailure(self._unexplained())
+
+    def _examine(self, index: int) -> list[_Finding]:
+        checked = self.problem.checked[index]
+        elements: Iterable[int] = range(checked.numel)
+        if checked.numel > ELEMENTWISE_LIMIT:
+            elements = self._bisect(index)
+        findings = []
+        for element in elements:
+            finding = self._element(index, int(element))
+            if finding is not None:
+                findings.append(finding)
+        return findings
+
+    def _bisect(self, index: int) -> torch.Tensor:
+        """Narrow a large tensor down to a block where the directional derivatives disagree most."""
+        checked = self.problem.checked[index]
+        candidates = torch.arange(checked.numel)
+        analytical = self.analytical[index]
+        while candidates.numel() > _BISECTION_BLOCK:
+            halves = candidates.chunk(2)
+            scores = []
+            for half in halves:
+                direction = torch.zeros(checked.numel, dtype=torch.float64)
+                direction[half] = _random_weights(half, self.generator).cpu()
+                direction = direction.to(checked.value.device)
+                step = (self.eps * direction).reshape(checked.value.shape)
+                plus, _ = self._evaluate(index, step)
+                minus, _ = self._evaluate(index, -step)
+                numerical = self._project(plus - minus) / (2 * self.eps)
+                difference = (analytical @ direction - numerical).abs()
+                scores.append(float((difference / (self.atol + self.rtol * numerical.abs())).max()))
+            candidates = halves[0] if scores[0] >= scores[1] else halves[1]
+        return candidates
+
+    def _element(self, index: int, element: int) -> _Finding | None:
+        checked = self.problem.checked[index]
+        step = torch.zeros(checked.numel, dtype=torch.float64, device=checked.value.device)
+        step[element] = self.eps
+        step = step.reshape(checked.value.shape)
+        plus, plus_log = self._evaluate(index, step)
+        minus, minus_log = self._evaluate(index, -step)
+        difference = plus - minus
+        numerical = self._project(difference) / (2 * self.eps)
+        analytical = self.analytical[index][:, element]
+        if self.rows is None:
+            allowed = self.atol + self.rtol * numerical.abs()
+        else:
+            allowed = self.atol + self.rtol * (self.rows.abs() @ difference.abs()) / (2 * self.eps)
+        ratio = (analytical - numerical).abs() / allowed
+        row = int(ratio.argmax()) if ratio.numel() else 0
+        if not ratio.numel() or float(ratio[row]) <= 1.0:
+            return None
+        finding = _Finding(
+            "wrong",
+            checked,
+            element,
+            row,
+            float(numerical[row]),
+            float(analytical[row]),
+            float(allowed[row]),
+            float(ratio[row]),
+        )
+        for side, log in (("+", plus_log), ("-", minus_log)):
+            divergence = _branch_divergence(self.base_log, log)
+            if divergence is not None:
+                finding.kind, finding.divergence, finding.side = "boundary", divergence, side
+                return finding
+        right = self._project(plus - self.base) / self.eps
+        left = self._project(self.base - minus) / self.eps
+        gap = (right - left).abs() > self.atol + self.rtol * torch.maximum(right.abs(), left.abs())
+        if bool(gap.any()):
+            kink_row = int(((right - left).abs() * gap).argmax())
+            finding.kind, finding.row = "kink", kink_row
+            finding.one_sided = (float(left[kink_row]), float(right[kink_row]))
+            finding.numerical = float(numerical[kink_row])
+            finding.analytical = float(analytical[kink_row])
+            return finding
+        finding.moved = _moved_numbers(self.base_log, plus_log)
+        return finding
+
+    # --- messages
+
+    def _output_element(self, row: int) -> str:
+        if self.rows is not None:
+            what = ("output", "gradient")[self.order - 1]
+            return (
+                f"(v · {what}s) for random weights v of the {self.base.numel():,} {what} elements"
+            )
+        outputs = [
+            (name, shape)
+            for name, shape, keep in zip(
+                self.names, self._output_shapes(), self.included, strict=True
+            )
+            if keep
+        ]
+        for name, shape in outputs:
+            size = math.prod(shape)
+            if row < size:
+                index = _unravel(row, shape)
+                element = f"{name}[{', '.join(map(str, index))}]" if index else name
+                return element + ")" if self.order == 2 else element
+            row -= size
+        return "output"
+
+    def _output_shapes(self) -> list[tuple[int, ...]]:
+        if self.order == 2:
+            return [tuple(c.value.shape) for c in self.problem.checked]
+        values = [v.detach() for v in self.point]
+        return [tuple(o.shape) for o in self.problem.evaluate(values)]
+
+    def _footer(self) -> str:
+        c = self.check
+        lines = []
+        if self.order == 2:
+            lines.append(
+                "second order: the gradients of (w · outputs) for random weights w, "
+                "differentiated again (the first-order check passed)"
+            )
+        low = [
+            f"{name} is {dtype}"
+            for name, dtype in zip(
+                self.problem.output_names or [], self.problem.output_dtypes, strict=True
+            )
+            if dtype not in (torch.float64, torch.complex128)
+        ]
+        if low:
+            lines.append(
+                f"note: {', '.join(low)}: the forward casts to a lower precision, "
+                f"which finite differences with eps={c.eps:g} cannot resolve"
+            )
+        mode = _mode_text(c.fast, c.reason)
+        if c.fast:
+            mode += "; the failing tensor was then rechecked element by element"
+        lines.append(
+            f"checked {self.problem.description} in float64 (eps={c.eps:g}, "
+            f"atol={c.atol:g}, rtol={c.rtol:g}), {mode}"
+        )
+        return "\n".join(lines)
+
+    def _wrong(self, wrong: list[_Finding], findings: list[_Finding], index: int) -> WrongGradient:
+        worst = max(wrong, key=lambda f: f.severity)
+        checked = worst.checked
+        what = ("first", "second")[self.order - 1]
+        lines = [
+            f"wrong {what}-order gradient of {self.problem.description} with respect to "
+            f"{checked.element(worst.element)}",
+            f"  d {self._output_element(worst.row)} / d {checked.element(worst.element)}: "
+            f"numerical {worst.numerical:.6g}, analytical {worst.analytical:.6g} (difference "
+            f"{abs(worst.numerical - worst.analytical):.3g}, allowed {worst.allowed:.3g})",
+        ]
+        if checked.numel <= ELEMENTWISE_LIMIT:
+            lines.append(
+                f"  {len(wrong)} of {checked.numel} elements of {checked.name} are wrong"
+                + self._pattern(wrong)
+            )
+        for point, moved in worst.moved[:1]:
+            lines.append(
+                f"  note: {point.op} at {point.location} (decision #{point.index}) returned "
+                f"{point.value!r} at the point and {moved.value!r} with this element moved: "
+                f"autograd does not see through Python numbers, so this dependence is missing "
+                f"from the analytical gradient"
+            )
+        others = len(findings) - len(wrong)
+        if others:
+            lines.append(f"  ({others} other elements sit at a branch boundary or a kink)")
+        lines.append(self._footer())
+        return WrongGradient(
+            "\n".join(lines),
+            tensor=checked.name,
+            index=checked.index(worst.element),
+            order=self.order,
+            numerical=worst.numerical,
+            analytical=worst.analytical,
+        )
+
+    def _pattern(self, wrong: list[_Finding]) -> str:
+        numerical = torch.tensor([f.numerical for f in wrong], dtype=torch.float64)
+        analytical = torch.tensor([f.analytical for f in wrong], dtype=torch.float64)
+        if not bool(analytical.any()):
+            return (
+                "; the analytical gradient is 0 there: the backward misses this dependence "
+                "(a missing term, a .detach() or a Python number in between)"
+            )
+        if not bool(numerical.any()):
+            return ""
+        factor = float((analytical * numerical).sum() / (numerical * numerical).sum())
+        if bool(
+            ((analytical - factor * numerical).abs() <= 1e-3 * numerical.abs() + self.atol).all()
+        ):
+            if abs(factor + 1) < 1e-3:
+                return "; the analytical gradient has the wrong sign in all of them"
+            return (
+                f"; in all of them the analytical gradient is {factor:.4g} times the numerical one"
+            )
+        return ""
+
+    def _boundary(self, boundaries: list[_Finding], explained: list[_Finding]) -> BranchBoundary:
+        first = boundaries[0]
+        at_point, moved, k = first.divergence
+        decision = at_point or moved
+        where = (
+            f"decision #{decision.index} ({decision.location})" if decision else f"decision #{k}"
+        )
+        element = first.checked.element(first.element)
+        ended = f"no decision #{k} (that run made only {k - 1})"
+        tensors = sorted({f.checked.name for f in boundaries})
+        lines = [
+            f"cannot check the gradient of {self.problem.description} here: the input is within "
+            f"eps of a branch boundary at {where}",
+            f"  at the point: {at_point or ended}",
+            f"  with {element} {first.side} eps ({self.eps:g}): {moved or ended}",
+            "  the finite differences compare two different branches, so they say nothing about "
+            "the gradient: this is not a wrong gradient",
+            f"  {len(boundaries)} examined elements cross a boundary (in {', '.join(tensors)})",
+            "  move the point off the boundary: pass avoid_boundaries=True (retries at points "
+            f"moved by {JITTER_SCALE:g} of each tensor's size), or check at other inputs",
+            self._footer(),
+        ]
+        return BranchBoundary(
+            "\n".join(lines),
+            tensor=first.checked.name,
+            index=first.checked.index(first.element),
+            decision=decision,
+        )
+
+    def _kink(self, kinks: list[_Finding]) -> NonDifferentiablePoint:
+        first = kinks[0]
+        left, right = first.one_sided
+        element = first.checked.element(first.element)
+        matches = (
+            "the left-hand derivative"
+            if abs(first.analytical - left) <= first.allowed
+            else "the right-hand derivative"
+            if abs(first.analytical - right) <= first.allowed
+            else "neither one-sided derivative"
+        )
+        lines = [
+            f"cannot check the gradient of {self.problem.description} at {element}: the function "
+            f"is not differentiable there (one-sided differences disagree: a kink, such as relu, "
+            f"abs, max or clamp exactly where it switches)",
+            f"  d {self._output_element(first.row)} / d {element}: from the left {left:.6g}, "
+            f"from the right {right:.6g}, central {first.numerical:.6g}; analytical "
+            f"{first.analytical:.6g} ({matches})",
+            f"  {len(kinks)} examined elements are at a kink; this is not a wrong gradient",
+            "  move the point: pass avoid_boundaries=True, or check at inputs away from the kink",
+            self._footer(),
+        ]
+        return NonDifferentiablePoint(
+            "\n".join(lines),
+            tensor=first.checked.name,
+            index=first.checked.index(first.element),
+            left=left,
+            right=right,
+        )
+
+    def _unexplained(self) -> str:
+        names = {str(i): c.name for i, c in enumerate(self.problem.checked)}
+        mapping = ", ".join(f"input {i} = {name}" for i, name in names.items())
+        if self.check.fast:
+            mapping = "torch checked one scalar step per tensor: " + mapping
+        return (
+            f"gradient check of {self.problem.description} failed, but no single element was "
+            f"found wrong when rechecked one by one\n"
+            f"torch.autograd.gradcheck said: {self.torch_message.strip()[:2000]}\n"
+            f"({mapping})\n{self._footer()}"
+        )
