@@ -1,0 +1,298 @@
+"""The generated SSH setup against a real OpenSSH server on 127.0.0.1.
+
+The generated ``start-sshd.sh`` starts Debian's sshd with the generated
+``sshd_config``, exactly as in the container, for a throw-away local user. Only
+the paths are moved into a temporary folder, and one test-only setting is added
+in front of the generated policy: ``StrictModes no``, because the keys live
+under /tmp, whose permissions sshd's ownership checks reject.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+SSHD = shutil.which("sshd") or "/usr/sbin/sshd"
+
+pytestmark = [
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sshd tests need Linux"),
+    pytest.mark.skipif(
+        sys.platform.startswith("linux") and os.geteuid() != 0,
+        reason="sshd tests need root (a local user is created)",
+    ),
+    pytest.mark.skipif(
+        not (os.path.exists(SSHD) and shutil.which("ssh") and shutil.which("useradd")),
+        reason="needs openssh-server, openssh-client and useradd (.ci/apt-packages.txt)",
+    ),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def running(pid: int) -> bool:
+    """Whether the process exists and is not a zombie (sshd's parent may not reap it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
+def make_key(path: Path) -> Path:
+    subprocess.run(
+        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", path.name, "-f", str(path)],
+        check=True,
+    )
+    return path
+
+
+@dataclass
+class SshServer:
+    """A running sshd started by the generated start script, and how to reach it."""
+
+    project: Path
+    root: Path
+    user: str
+    port: int
+    env: dict[str, str]
+
+    @property
+    def host_key_dir(self) -> Path:
+        return self.root / "host-keys"
+
+    @property
+    def runtime(self) -> Path:
+        return self.root / "runtime"
+
+    def start(self, **extra_env: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", str(self.project / ".devcontainer" / "start-sshd.sh")],
+            env={**self.env, **extra_env},
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=True,
+        )
+
+    def stop(self) -> None:
+        pid_file = self.runtime / "sshd.pid"
+        if not pid_file.exists():
+            return
+        pid = int(pid_file.read_text())
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        for _ in range(100):  # until the port is free again
+            if not running(pid):
+                break
+            time.sleep(0.05)
+        pid_file.unlink(missing_ok=True)
+
+    def ssh(self, user: str, key: Path | None, *command: str, extra: tuple[str, ...] = ()):
+        options = [
+            "-F", "/dev/null",
+            "-p", str(self.port),
+            "-o", "BatchMode=yes",
+            "-o", "ConnectTimeout=20",
+            "-o", f"UserKnownHostsFile={self.root / 'known_hosts'}",
+            "-o", "StrictHostKeyChecking=accept-new",
+        ]  # fmt: skip
+        if key is not None:
+            options += ["-o", "IdentitiesOnly=yes", "-i", str(key)]
+        return subprocess.run(
+            ["ssh", *options, *extra, f"{user}@127.0.0.1", *command],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            stdin=subprocess.DEVNULL,
+        )
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("client-keys")
+    return {name: make_key(folder / name) for name in ("host_user", "env_key", "stranger")}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory, keys: dict[str, Path]):
+    from conftest import bake_project
+
+    port = free_port()
+    project = bake_project(tmp_path_factory.mktemp("ssh-project"), ssh_port=str(port))
+    # sshd reads the authorized keys as the user, who cannot enter pytest's
+    # root-only temporary folders: this one is world-readable.
+    root = Path(tempfile.mkdtemp(prefix="sshd-test-"))
+    root.chmod(0o755)
+    public_keys = root / "host-ssh-keys"
+    public_keys.mkdir()
+    shutil.copy(keys["host_user"].with_suffix(".pub"), public_keys / "id_ed25519.pub")
+    test_policy = root / "test_sshd_config"
+    test_policy.write_text(
+        "# Test only: the keys live under /tmp, which StrictModes rejects.\n"
+        "StrictModes no\n"
+        f"Include {project / '.devcontainer' / 'sshd_config'}\n"
+    )
+    user = f"sshtest{secrets.token_hex(3)}"
+    subprocess.run(["useradd", "--create-home", "--shell", "/bin/bash", user], check=True)
+    subprocess.run(["usermod", "-p", "*", user], check=True)
+    env = {
+        "PATH": os.environ["PATH"],
+        "DEV_USER": user,
+        "SSH_HOST_KEY_DIR": str(root / "host-keys"),
+        "SSHD_RUNTIME_DIR": str(root / "runtime"),
+        "SSH_PUBLIC_KEYS_DIR": str(public_keys),
+        "SSHD_CONFIG": str(test_policy),
+        "SSH_AUTHORIZED_KEYS": keys["env_key"].with_suffix(".pub").read_text()
+        + "not a key: ignored\n",
+    }
+    running = SshServer(project, root, user, port, env)
+    running.first_start = running.start()
+    try:
+        yield running
+    finally:
+        running.stop()
+        subprocess.run(["userdel", "--remove", user], capture_output=True)
+        shutil.rmtree(root)
+
+
+def test_start_reports_keys_and_prints_ssh_config_entry(server: SshServer):
+    output = server.first_start.stdout
+    assert f"sshd listens on port {server.port}" in output
+    assert "2 public key(s) may log in" in output
+    assert f"Host {server.project.name}\n" in output
+    assert f"    Port {server.port}\n" in output
+    assert f"    User {server.user}\n" in output
+    assert "is not a public key" in server.first_start.stderr
+
+
+def test_key_of_host_user_logs_in_as_dev_user(server: SshServer, keys):
+    result = server.ssh(server.user, keys["host_user"], "id", "-un")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == server.user
+
+
+def test_key_from_environment_variable_logs_in(server: SshServer, keys):
+    result = server.ssh(server.user, keys["env_key"], "true")
+    assert result.returncode == 0, result.stderr
+
+
+def test_unknown_key_is_refused(server: SshServer, keys):
+    result = server.ssh(server.user, keys["stranger"], "true")
+    assert result.returncode == 255
+    assert "Permission denied (publickey)" in result.stderr
+
+
+def test_root_is_refused_even_with_an_authorized_key(server: SshServer, keys):
+    root_keys = server.runtime / "authorized_keys" / "root"
+    shutil.copy(keys["host_user"].with_suffix(".pub"), root_keys)
+    try:
+        result = server.ssh("root", keys["host_user"], "true")
+    finally:
+        root_keys.unlink()
+    assert result.returncode == 255
+    assert "Permission denied" in result.stderr
+
+
+def test_passwords_and_keyboard_interactive_are_not_offered(server: SshServer):
+    result = server.ssh(
+        server.user,
+        None,
+        "true",
+        extra=(
+            "-o", "PubkeyAuthentication=no",
+            "-o", "PreferredAuthentications=password,keyboard-interactive",
+        ),
+    )  # fmt: skip
+    assert result.returncode == 255
+    # The server lists what it accepts: public keys and nothing else.
+    assert "Permission denied (publickey)." in result.stderr
+
+
+def test_effective_configuration_is_key_only(server: SshServer):
+    effective = subprocess.run(
+        [SSHD, "-T", "-f", str(server.runtime / "sshd_config")],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.splitlines()
+    for line in (
+        "passwordauthentication no",
+        "kbdinteractiveauthentication no",
+        "permitrootlogin no",
+        "pubkeyauthentication yes",
+        "authenticationmethods publickey",
+        f"allowusers {server.user}",
+        f"port {server.port}",
+    ):
+        assert line in effective
+
+
+def test_session_gets_the_container_environment(server: SshServer, keys):
+    """start-sshd hands PID 1's environment (the container's) to SSH sessions."""
+    exported = (server.runtime / "session-env.sh").read_text()
+    result = server.ssh(server.user, keys["host_user"], "echo", "$PATH")
+    assert result.returncode == 0, result.stderr
+    if "export PATH=" in exported:
+        session_env = subprocess.run(
+            ["bash", "-c", f"source {server.runtime / 'session-env.sh'}; echo $PATH"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        assert result.stdout == session_env
+
+
+def test_host_keys_are_made_once_and_kept_across_restarts(server: SshServer, keys):
+    files = sorted(server.host_key_dir.iterdir())
+    assert [f.name for f in files] == [
+        "ssh_host_ed25519_key",
+        "ssh_host_ed25519_key.pub",
+        "ssh_host_rsa_key",
+        "ssh_host_rsa_key.pub",
+    ]
+    before = {f.name: f.read_bytes() for f in files}
+    assert server.ssh(server.user, keys["host_user"], "true").returncode == 0  # known_hosts
+
+    server.stop()
+    restart = server.start()
+    assert "generating" not in restart.stdout
+    assert {f.name: f.read_bytes() for f in server.host_key_dir.iterdir()} == before
+    # known_hosts from before the restart still matches: strict checking passes.
+    result = server.ssh(
+        server.user, keys["host_user"], "true", extra=("-o", "StrictHostKeyChecking=yes")
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def test_no_key_at_all_still_starts_and_says_how_to_add_one(server: SshServer):
+    server.stop()
+    try:
+        result = server.start(SSH_AUTHORIZED_KEYS="", SSH_PUBLIC_KEYS_DIR="/nonexistent")
+        assert "No public key is authorized yet" in result.stdout
+        assert "SSH_AUTHORIZED_KEYS" in result.stdout
+    finally:
+        server.stop()
+        server.start()
+
+
+def test_bad_port_is_refused_with_its_name(server: SshServer):
+    with pytest.raises(subprocess.CalledProcessError) as failure:
+        server.start(PROJECT_SSH_PORT="22x")
+    assert "PROJECT_SSH_PORT=22x is not a TCP port number" in failure.value.stderr

@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# start-sshd: starts the dev container's SSH server (public keys only), or reloads it
+# when it already runs. Runs at every container start (start-services); as root, or
+# as the dev user, who gets root through sudo for it.
+#
+# Keys allowed to log in as the dev user (none is required to start):
+#   SSH_AUTHORIZED_KEYS   public keys, one per line, e.g. for docker run:
+#                         -e SSH_AUTHORIZED_KEYS="$(cat ~/.ssh/id_ed25519.pub)"
+#   SSH_PUBLIC_KEYS_DIR   every *.pub file in it; devcontainer.json fills the default,
+#                         /workspace/.devcontainer/host-ssh-keys, with the host's ~/.ssh/*.pub
+#   ~/.ssh/authorized_keys of the dev user in the container
+# Host keys are generated at the first start into SSH_HOST_KEY_DIR, a volume, so
+# they survive rebuilds and the clients' known_hosts stays valid.
+set -euo pipefail
+
+if [ "$(id -u)" != 0 ]; then
+    exec sudo --non-interactive \
+        --preserve-env=DEV_USER,PROJECT_SSH_PORT,SSH_AUTHORIZED_KEYS,SSH_PUBLIC_KEYS_DIR,SSH_HOST_KEY_DIR,SSHD_RUNTIME_DIR,SSHD_CONFIG \
+        "$0" "$@"
+fi
+
+fail() {
+    echo "start-sshd: $*" >&2
+    exit 1
+}
+
+user=${DEV_USER:-}
+port=${PROJECT_SSH_PORT:-{{ cookiecutter.ssh_port }}}
+policy=${SSHD_CONFIG:-/etc/ssh/devcontainer/sshd_config}
+host_key_dir=${SSH_HOST_KEY_DIR:-/etc/ssh/host-keys}
+public_keys_dir=${SSH_PUBLIC_KEYS_DIR:-/workspace/.devcontainer/host-ssh-keys}
+runtime=${SSHD_RUNTIME_DIR:-/run/devcontainer-sshd}
+sshd=$(command -v sshd || echo /usr/sbin/sshd)
+
+[ -n "$user" ] || fail "DEV_USER is not set: it names the one user who may log in"
+getent passwd "$user" >/dev/null || fail "DEV_USER=$user is not a user of this container"
+[[ $port =~ ^[0-9]{1,5}$ ]] && [ "$port" -ge 1 ] && [ "$port" -le 65535 ] ||
+    fail "PROJECT_SSH_PORT=$port is not a TCP port number (1-65535)"
+[ -x "$sshd" ] || fail "no sshd found: install openssh-server"
+
+# Privilege separation directory: sshd refuses to start without it.
+install -d -m 0755 /run/sshd
+install -d -m 0700 "$host_key_dir"
+install -d -m 0755 "$runtime" "$runtime/authorized_keys"
+
+host_keys=()
+for type in ed25519 rsa; do
+    key=$host_key_dir/ssh_host_${type}_key
+    if [ ! -s "$key" ]; then
+        echo "start-sshd: generating the $type host key (once; kept in $host_key_dir)"
+        rm -f "$key" "$key.pub"
+        ssh-keygen -q -t "$type" -N '' -C "{{ cookiecutter.project }} dev container" -f "$key"
+    fi
+    host_keys+=("$key")
+done
+
+# Only lines that ssh-keygen reads as public keys are authorized: the sources are
+# user-supplied text, and a stray line must not become an sshd option.
+authorized=$runtime/authorized_keys/$user
+add_keys() { # SOURCE-NAME < lines
+    local line
+    while IFS= read -r line || [ -n "$line" ]; do
+        case $line in "" | "#"*) continue ;; esac
+        if ssh-keygen -l -f - <<<"$line" >/dev/null 2>&1; then
+            printf '%s\n' "$line" >>"$authorized.new"
+        else
+            echo "start-sshd: ignoring a line of $1 that is not a public key: ${line:0:40}..." >&2
+        fi
+    done
+}
+: >"$authorized.new"
+add_keys SSH_AUTHORIZED_KEYS <<<"${SSH_AUTHORIZED_KEYS:-}"
+if [ -d "$public_keys_dir" ]; then
+    for file in "$public_keys_dir"/*.pub; do
+        # shellcheck disable=SC2094  # add_keys writes $authorized.new, not $file
+        if [ -f "$file" ]; then add_keys "$file" <"$file"; fi
+    done
+fi
+chmod 0644 "$authorized.new"
+mv "$authorized.new" "$authorized"
+home=$(getent passwd "$user" | cut -d: -f6)
+key_count=$({ cat "$authorized" "$home/.ssh/authorized_keys" 2>/dev/null || true; } | sort -u | grep -c .) || true
+
+# SSH sessions start with a clean environment; give them the container's (PATH with
+# the project's virtual environment, CUDA and NVIDIA variables), as PID 1 has it.
+# SetEnv covers commands (ssh host cmd); session-env.sh, sourced from
+# /etc/profile.d, covers login shells, whose profile resets PATH. Root may lack
+# CAP_SYS_PTRACE (Docker's default), so PID 1's environment is read as its owner.
+pid1_environ() {
+    cat /proc/1/environ 2>/dev/null ||
+        setpriv --reuid="$(stat -c %u /proc/1)" --regid="$(stat -c %g /proc/1)" --clear-groups \
+            cat /proc/1/environ
+}
+set_env=()
+: >"$runtime/session-env.sh"
+while IFS= read -r -d '' entry; do
+    name=${entry%%=*} value=${entry#*=}
+    case $name in
+        HOME | USER | LOGNAME | SHELL | MAIL | HOSTNAME | TERM | PWD | OLDPWD | SHLVL | _) continue ;;
+        SSH_* | JUPYTER_TOKEN) continue ;;
+    esac
+    [[ $name =~ ^[A-Za-z_][A-Za-z0-9_]*$ ]] || continue
+    [[ $value == *[\"\\$'\n']* ]] && continue
+    set_env+=("$name=\"$value\"")
+    printf 'export %s=%q\n' "$name" "$value" >>"$runtime/session-env.sh"
+done < <(pid1_environ)
+chgrp "$(id -g "$user")" "$runtime/session-env.sh"
+chmod 0640 "$runtime/session-env.sh"
+
+config=$runtime/sshd_config
+{
+    echo "# Written by start-sshd at each start. The policy is in $policy."
+    echo "Port $port"
+    echo "AllowUsers $user"
+    printf 'HostKey %s\n' "${host_keys[@]}"
+    echo "AuthorizedKeysFile $authorized .ssh/authorized_keys"
+    echo "PidFile $runtime/sshd.pid"
+    [ -z "${set_env[*]:-}" ] || echo "SetEnv ${set_env[*]}"
+    echo "Include $policy"
+} >"$config"
+chmod 0600 "$config"
+"$sshd" -t -f "$config" || fail "sshd rejected its configuration $config (see above)"
+
+pid=$(cat "$runtime/sshd.pid" 2>/dev/null) || pid=
+if [ -n "$pid" ] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = sshd ]; then
+    kill -HUP "$pid"
+    echo "start-sshd: sshd reloaded (port $port)"
+else
+    "$sshd" -f "$config"
+    echo "start-sshd: sshd listens on port $port; only $user may log in, with a key"
+fi
+# Return once sshd accepts connections (a reload re-executes it).
+for _ in $(seq 100); do
+    sleep 0.1
+    if (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null; then break; fi
+done
+
+echo "Host key fingerprints (compare on the first connection):"
+for key in "${host_keys[@]}"; do
+    echo "  $(ssh-keygen -l -f "$key.pub")"
+done
+if [ "$key_count" -eq 0 ]; then
+    cat <<EOF
+No public key is authorized yet, so nobody can log in over SSH. Add one:
+  - VS Code: put it in ~/.ssh/*.pub on the host (ssh-keygen -t ed25519) and rebuild
+    or restart the container;
+  - docker run: -e SSH_AUTHORIZED_KEYS="\$(cat ~/.ssh/id_ed25519.pub)";
+  - inside the container: append it to ~/.ssh/authorized_keys.
+EOF
+else
+    echo "$key_count public key(s) may log in as $user."
+fi
+cat <<EOF
+Add this to ~/.ssh/config on your machine, then run: ssh {{ cookiecutter.project }}
+(HostName is the machine running Docker; keep localhost when that is this machine.)
+
+Host {{ cookiecutter.project }}
+    HostName localhost
+    Port $port
+    User $user
+
+EOF
