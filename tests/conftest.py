@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -26,6 +27,20 @@ def bake_project(output_dir: Path, **answers: object) -> Path:
             output_dir=str(output_dir),
         )
     )
+
+
+def copy_template(destination: Path) -> Path:
+    """Copy the template's files as a commit would hold them (tracked and new, not ignored)."""
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=TEMPLATE_DIR, check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+    for relative in filter(None, listed.split("\0")):
+        source = TEMPLATE_DIR / relative
+        if source.is_file():
+            (destination / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, destination / relative)
+    return destination
 
 
 @pytest.fixture

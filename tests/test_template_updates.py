@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import TEMPLATE_DIR, bake_project
+from conftest import bake_project, copy_template
 
 CRUFT = Path(sys.executable).with_name("cruft")
 GIT_IDENTITY = {
@@ -43,15 +42,7 @@ def commit_all(repo: Path, message: str) -> None:
 @pytest.fixture
 def template_clone(tmp_path: Path) -> Path:
     """A git repository of the template as it is on disk now, committed or not."""
-    listed = run(
-        "git", "ls-files", "--cached", "--others", "--exclude-standard", "-z", cwd=TEMPLATE_DIR
-    )
-    clone = tmp_path / "template"
-    for relative in filter(None, listed.split("\0")):
-        source = TEMPLATE_DIR / relative
-        if source.is_file():
-            (clone / relative).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(source, clone / relative)
+    clone = copy_template(tmp_path / "template")
     run("git", "init", "--quiet", cwd=clone)
     commit_all(clone, "template as tested")
     return clone
