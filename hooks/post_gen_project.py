@@ -15,6 +15,9 @@ ANSWERS = json.loads(r'{{ cookiecutter | tojson }}')
 FILES_BY_OPTION = {
     "jupyter": [".devcontainer/start-jupyter.sh"],
 }
+# Caches that a template checkout may hold (its tests and linters run in it) and
+# cookiecutter would copy along; never part of a new project.
+CACHE_DIRS = ("__pycache__", ".pytest_cache", ".ruff_cache", ".mypy_cache")
 
 
 def remove_unused(project, answers):
@@ -28,6 +31,12 @@ def remove_unused(project, answers):
                 shutil.rmtree(path)
             elif path.exists():
                 path.unlink()
+
+
+def remove_caches(project):
+    for name in CACHE_DIRS:
+        for path in sorted(project.rglob(name), reverse=True):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def dev_user(project):
@@ -58,4 +67,5 @@ def next_steps(project, answers):
 if __name__ == "__main__":
     project = Path.cwd()
     remove_unused(project, ANSWERS)
+    remove_caches(project)
     print("\n".join(next_steps(project, ANSWERS)))

@@ -15,6 +15,16 @@ from pathlib import Path
 BASE_FILES = frozenset(
     {
         ".template-answers.json",
+        ".devcontainer/.gitignore",
+        ".devcontainer/Dockerfile",
+        ".devcontainer/collect-host-ssh-keys.sh",
+        ".devcontainer/create-user.sh",
+        ".devcontainer/devcontainer.json",
+        ".devcontainer/post-create.sh",
+        ".devcontainer/ssh-session-env.sh",
+        ".devcontainer/sshd_config",
+        ".devcontainer/start-services.sh",
+        ".devcontainer/start-sshd.sh",
         ".github/workflows/ci.yml",
         ".gitignore",
         ".pre-commit-config.yaml",
@@ -22,14 +32,26 @@ BASE_FILES = frozenset(
         "README.md",
         "pyproject.toml",
         "src/{package}/__init__.py",
+        "src/{package}/_checkpoint.py",
+        "src/{package}/_progress.py",
+        "src/{package}/doctor.py",
         "src/{package}/models.py",
+        "src/{package}/testing/__init__.py",
+        "src/{package}/testing/control_flow.py",
+        "src/{package}/testing/determinism.py",
+        "src/{package}/testing/global_state.py",
+        "src/{package}/testing/gpus.py",
+        "src/{package}/testing/gradcheck.py",
+        "src/{package}/testing/plugin.py",
+        "src/{package}/train.py",
+        "tests/test_gradients.py",
         "tests/test_models.py",
     }
 )
 
 # (answer, value) -> files present only when that answer has that value.
 FILES_BY_ANSWER: dict[tuple[str, object], frozenset[str]] = {
-    ("jupyter", True): frozenset(),
+    ("jupyter", True): frozenset({".devcontainer/start-jupyter.sh"}),
 }
 
 _DEFAULTS = json.loads((Path(__file__).resolve().parent.parent / "cookiecutter.json").read_text())
