@@ -7,8 +7,10 @@ that state, :func:`differences` says what changed in words and :func:`restore` p
 back. torch is looked at only when something already imported it, and CUDA only
 when it is already initialized: taking a snapshot never imports torch or starts CUDA.
 
-TF32 settings are read through the ``fp32_precision`` API only: the legacy
-``allow_tf32`` flags raise once the new API has been used.
+TF32 settings are read and restored through the ``fp32_precision`` API: the legacy
+``allow_tf32`` flags raise once the two APIs disagree. The float32 matmul precision
+is a setting of its own (``set_float32_matmul_precision`` also sets the matmul
+``fp32_precision`` values, which are restored after it).
 """
 
 from __future__ import annotations
@@ -72,6 +74,23 @@ def _sdpa_switch(cuda: Any, kind: str) -> tuple[Callable[[], bool], Callable[[bo
     return getattr(cuda, f"{kind}_sdp_enabled"), getattr(cuda, f"enable_{kind}_sdp")
 
 
+MIXED_TF32_APIS = "<unreadable: legacy and new TF32 APIs disagree>"
+
+
+def _float32_matmul_precision_setting(torch: Any) -> Setting:
+    def get() -> str:
+        try:
+            return torch.get_float32_matmul_precision()
+        except RuntimeError:  # the matmul fp32_precision values of cuBLAS and oneDNN differ
+            return MIXED_TF32_APIS
+
+    def set_precision(value: str) -> None:
+        if value != MIXED_TF32_APIS:
+            torch.set_float32_matmul_precision(value)
+
+    return Setting("torch.get_float32_matmul_precision()", get, set_precision)
+
+
 @functools.cache
 def torch_settings() -> tuple[Setting, ...]:
     """The torch settings that are snapshotted, in the order they are restored."""
@@ -103,11 +122,7 @@ def torch_settings() -> tuple[Setting, ...]:
         _attribute(backends.cudnn, "enabled", "torch.backends.cudnn.enabled"),
         _attribute(backends.cudnn, "deterministic", "torch.backends.cudnn.deterministic"),
         _attribute(backends.cudnn, "benchmark", "torch.backends.cudnn.benchmark"),
-        Setting(
-            "torch.get_float32_matmul_precision()",
-            torch.get_float32_matmul_precision,
-            torch.set_float32_matmul_precision,
-        ),
+        _float32_matmul_precision_setting(torch),
         # Parents before children: setting a parent's precision changes its children's.
         _attribute(backends, "fp32_precision", "torch.backends.fp32_precision"),
         _attribute(

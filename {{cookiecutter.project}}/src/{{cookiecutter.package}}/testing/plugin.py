@@ -36,6 +36,13 @@ KEEPS_CUDA_MEMORY_MARKER = "keeps_cuda_memory"
 CHANGES_GLOBAL_STATE_MARKER = "changes_global_state"
 
 
+class AfterTestCheckFailed(AssertionError):
+    """A check run after the test's body failed (leaked state or memory, a CUDA error).
+
+    Its report shows the message alone: a traceback would point into the plugin.
+    """
+
+
 def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
     if not pluginmanager.has_plugin(PLUGIN_NAME):
         pluginmanager.register(TorchTestingPlugin(), PLUGIN_NAME)
@@ -143,7 +150,6 @@ class TorchTestingPlugin:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item):
-        __tracebackhide__ = True
         gpu_test = self.gpu_enabled and is_gpu_test(item)
         before = global_state.snapshot()
         allocated = cuda_memory_allocated(gpus_needed(item)) if gpu_test else None
@@ -164,8 +170,15 @@ class TorchTestingPlugin:
         if allocated is not None and item.get_closest_marker(KEEPS_CUDA_MEMORY_MARKER) is None:
             problems.extend(cuda_memory_leaks(allocated))
         if problems:
-            raise AssertionError("\n\n".join(problems))
+            raise AfterTestCheckFailed("\n\n".join(problems))
         return result
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, call: pytest.CallInfo[None]):
+        report = yield
+        if call.excinfo is not None and isinstance(call.excinfo.value, AfterTestCheckFailed):
+            report.longrepr = f"{AfterTestCheckFailed.__name__}: {call.excinfo.value}"
+        return report
 
 
 class XdistHooks:
@@ -245,14 +258,13 @@ def cuda_memory_allocated(devices: int) -> list[int]:
 
 def synchronize_or_fail(devices: int) -> None:
     """Wait for the test's kernels, so an asynchronous CUDA error fails this test."""
-    __tracebackhide__ = True
     import torch
 
     try:
         for index in range(devices):
             torch.cuda.synchronize(index)
     except RuntimeError as error:
-        raise AssertionError(
+        raise AfterTestCheckFailed(
             "CUDA reported an error while finishing this test's kernels (an asynchronous "
             "error from a kernel the test launched; CUDA_LAUNCH_BLOCKING=1 shows the "
             f"line). Later GPU tests in this process fail too.\n{error}"

@@ -1,0 +1,341 @@
+"""Isolation of torch's global state: ``testing.global_state`` and the plugin's check per test."""
+
+from __future__ import annotations
+
+import importlib
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from conftest import DEFAULT_PACKAGE, PLUGIN_MODULE
+
+
+@pytest.fixture
+def global_state(default_project: Path, monkeypatch: pytest.MonkeyPatch):
+    """The default project's ``testing.global_state`` module; state is restored after the test."""
+    monkeypatch.syspath_prepend(str(default_project / "src"))
+    module = importlib.import_module(f"{DEFAULT_PACKAGE}.testing.global_state")
+    start = module.snapshot()
+    yield module
+    module.restore(start)
+
+
+def set_threads_other_than_current() -> None:
+    torch.set_num_threads(2 if torch.get_num_threads() == 1 else 1)
+
+
+def flip_cudnn_deterministic() -> None:
+    torch.backends.cudnn.deterministic = not torch.backends.cudnn.deterministic
+
+
+# (what the change is reported as, the change)
+CHANGES = [
+    (
+        "torch.get_default_dtype(): torch.float32 -> torch.float64",
+        lambda: torch.set_default_dtype(torch.float64),
+    ),
+    (
+        "torch.get_default_device(): device(type='cpu') -> device(type='meta')",
+        lambda: torch.set_default_device("meta"),
+    ),
+    ("torch.is_grad_enabled(): True -> False", lambda: torch.set_grad_enabled(False)),
+    (
+        "anomaly mode (torch.is_anomaly_enabled(), check_nan): (False, True) -> (True, False)",
+        lambda: torch.set_anomaly_enabled(True, check_nan=False),
+    ),
+    (
+        "deterministic algorithms (torch.are_deterministic_algorithms_enabled(), warn_only): "
+        "(False, False) -> (True, True)",
+        lambda: torch.use_deterministic_algorithms(True, warn_only=True),
+    ),
+    (
+        "torch.utils.deterministic.fill_uninitialized_memory: True -> False",
+        lambda: setattr(torch.utils.deterministic, "fill_uninitialized_memory", False),
+    ),
+    (
+        "torch.backends.cudnn.enabled: True -> False",
+        lambda: setattr(torch.backends.cudnn, "enabled", False),
+    ),
+    ("torch.backends.cudnn.deterministic: ", flip_cudnn_deterministic),
+    (
+        "torch.backends.cudnn.benchmark: False -> True",
+        lambda: setattr(torch.backends.cudnn, "benchmark", True),
+    ),
+    (
+        "torch.get_float32_matmul_precision(): 'highest' -> 'high'",
+        lambda: torch.set_float32_matmul_precision("high"),
+    ),
+    (
+        "torch.backends.mkldnn.matmul.fp32_precision: 'none' -> 'bf16'",
+        lambda: torch.set_float32_matmul_precision("medium"),
+    ),
+    (
+        "torch.backends.cuda.matmul.fp32_precision: 'none' -> 'tf32'",
+        lambda: setattr(torch.backends.cuda.matmul, "fp32_precision", "tf32"),
+    ),
+    (
+        "torch.backends.cudnn.conv.fp32_precision: 'tf32' -> 'ieee'",
+        lambda: setattr(torch.backends.cudnn.conv, "fp32_precision", "ieee"),
+    ),
+    (
+        "torch.backends.mkldnn.matmul.fp32_precision: 'none' -> 'bf16'",
+        lambda: setattr(torch.backends.mkldnn.matmul, "fp32_precision", "bf16"),
+    ),
+    (
+        "torch.backends.fp32_precision: 'none' -> 'ieee'",
+        lambda: setattr(torch.backends, "fp32_precision", "ieee"),
+    ),
+    (
+        # The legacy flag: reported and restored through the new API.
+        "torch.backends.cuda.matmul.fp32_precision: 'none' -> 'tf32'",
+        lambda: setattr(torch.backends.cuda.matmul, "allow_tf32", True),
+    ),
+    (
+        "torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction: True -> False",
+        lambda: setattr(
+            torch.backends.cuda.matmul, "allow_fp16_reduced_precision_reduction", False
+        ),
+    ),
+    (
+        "torch.backends.cuda.flash_sdp_enabled(): True -> False",
+        lambda: torch.backends.cuda.enable_flash_sdp(False),
+    ),
+    ("torch.get_num_threads(): ", set_threads_other_than_current),
+]
+
+
+@pytest.mark.parametrize(
+    ("reported", "change"), CHANGES, ids=[line.split(":")[0] for line, _ in CHANGES]
+)
+def test_each_setting_reported_and_restored(global_state, reported, change):
+    before = global_state.snapshot()
+    change()
+    changed = global_state.differences(before, global_state.snapshot())
+    assert any(line.startswith(reported) for line in changed), changed
+    global_state.restore(before)
+    assert global_state.differences(before, global_state.snapshot()) == []
+    # Restoring through the new API leaves nothing that makes the legacy API raise.
+    assert torch.get_float32_matmul_precision() == "highest"
+    assert torch.backends.cuda.matmul.allow_tf32 is False
+    assert torch.backends.cudnn.allow_tf32 is True
+
+
+def test_unchanged_state_has_no_differences(global_state):
+    before = global_state.snapshot()
+    assert global_state.differences(before, global_state.snapshot()) == []
+    assert before == global_state.snapshot()
+
+
+def test_reseeding_reported_with_both_seeds(global_state):
+    before = global_state.snapshot()
+    torch.manual_seed(1234)
+    changed = global_state.differences(before, global_state.snapshot(), rng_draws=False)
+    old_seed = next(rng.seed for rng in before.rngs if rng.name == "torch CPU RNG")
+    assert changed == [f"torch CPU RNG: reseeded, initial seed {old_seed} -> 1234"]
+
+
+@pytest.mark.parametrize(
+    ("name", "draw"),
+    [
+        ("torch CPU RNG", lambda: torch.rand(4).tolist()),
+        ("random (Python)", lambda: [random.random() for _ in range(4)]),
+        ("numpy.random (global RNG)", lambda: np.random.rand(4).tolist()),
+    ],
+)
+def test_draws_reported_on_request_and_undone(global_state, name, draw):
+    before = global_state.snapshot()
+    first = draw()
+    after = global_state.snapshot()
+    assert global_state.differences(before, after) == [
+        f"{name}: state changed (random numbers drawn or state set)"
+    ]
+    assert global_state.differences(before, after, rng_draws=False) == []
+    global_state.restore(before)
+    assert draw() == first
+
+
+def test_state_lines_do_not_dump_rng_state(global_state):
+    before = global_state.snapshot()
+    torch.manual_seed(7)
+    torch.rand(3)
+    assert all(
+        len(line) < 200 for line in global_state.differences(before, global_state.snapshot())
+    )
+
+
+def test_snapshot_imports_nothing(default_project):
+    """Without torch and NumPy imported, a snapshot covers ``random`` and imports neither."""
+    module_path = default_project / "src" / DEFAULT_PACKAGE / "testing" / "global_state.py"
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('global_state', {str(module_path)!r})\n"
+        "module = importlib.util.module_from_spec(spec)\n"
+        "sys.modules['global_state'] = module\n"
+        "spec.loader.exec_module(module)\n"
+        "state = module.snapshot()\n"
+        "module.restore(state)\n"
+        "assert state.settings == (), state.settings\n"
+        "assert [rng.name for rng in state.rngs] == ['random (Python)']\n"
+        "assert 'torch' not in sys.modules and 'numpy' not in sys.modules\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+# --- the check around every test ----------------------------------------------------
+
+ISOLATION_TESTS = """
+import random
+
+import pytest
+import torch
+
+SESSION_SEED = torch.initial_seed()
+THREADS = torch.get_num_threads()
+
+
+def test_leaves_deterministic_mode_on():
+    torch.use_deterministic_algorithms(True)
+
+
+def test_starts_clean_after_deterministic_mode():
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_changes_default_dtype():
+    torch.set_default_dtype(torch.float64)
+
+
+def test_starts_clean_after_dtype():
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_reseeds_the_rng():
+    torch.manual_seed(0)
+
+
+def test_starts_clean_after_reseed():
+    assert torch.initial_seed() == SESSION_SEED
+
+
+def test_draws_random_numbers():
+    torch.randn(3)
+    random.random()
+
+
+def test_seeds_inside_fork_rng():
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+
+
+def test_restores_what_it_changes():
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+@pytest.fixture
+def deterministic():
+    torch.use_deterministic_algorithms(True)
+    yield
+    torch.use_deterministic_algorithms(False)
+
+
+def test_fixture_sets_state_for_its_test(deterministic):
+    assert torch.are_deterministic_algorithms_enabled()
+
+
+@pytest.fixture(scope="module")
+def seeded_module():
+    torch.manual_seed(1234)
+
+
+def test_module_fixture_seeds(seeded_module):
+    assert torch.initial_seed() == 1234
+
+
+def test_module_fixture_seed_kept(seeded_module):
+    assert torch.initial_seed() == 1234
+
+
+@pytest.mark.changes_global_state
+def test_intended_change():
+    torch.set_num_threads(THREADS + 1)
+
+
+def test_threads_restored_after_intended_change():
+    assert torch.get_num_threads() == THREADS
+
+
+def test_fails_and_leaks():
+    torch.set_default_dtype(torch.float16)
+    assert False, "the test's own failure"
+
+
+def test_starts_clean_after_a_failure():
+    assert torch.get_default_dtype() == torch.float32
+"""
+
+
+def test_leaks_fail_the_test_that_leaked_and_the_next_starts_clean(plugin_pytester):
+    plugin_pytester.makepyfile(test_isolation=ISOLATION_TESTS)
+    result = plugin_pytester.runpytest("-p", PLUGIN_MODULE, "-p", "no:randomly")
+    result.assert_outcomes(passed=12, failed=4)
+    failed = {
+        line.split(" - ")[0].split("::")[1]
+        for line in result.stdout.lines
+        if line.startswith("FAILED")
+    }
+    assert failed == {
+        "test_leaves_deterministic_mode_on",
+        "test_changes_default_dtype",
+        "test_reseeds_the_rng",
+        "test_fails_and_leaks",
+    }
+    result.stdout.fnmatch_lines(
+        [
+            "*_ test_leaves_deterministic_mode_on _*",
+            "AfterTestCheckFailed: the test changed torch's global state and did not restore it*",
+            "  deterministic algorithms (torch.are_deterministic_algorithms_enabled(), "
+            "warn_only): (False, False) -> (True, False)",
+            "*_ test_changes_default_dtype _*",
+            "  torch.get_default_dtype(): torch.float32 -> torch.float64",
+            "*_ test_reseeds_the_rng _*",
+            "  torch CPU RNG: reseeded, initial seed * -> 0",
+            "*_ test_fails_and_leaks _*",
+            "*AssertionError: the test's own failure*",
+        ]
+    )
+    assert result.stdout.str().count("did not restore it") == 3
+
+
+def test_isolation_is_quiet_for_clean_tests(plugin_pytester):
+    plugin_pytester.makepyfile(
+        "import torch\n\n"
+        "def test_a():\n    torch.randn(2)\n\n"
+        "def test_b():\n    assert torch.get_default_dtype() == torch.float32\n"
+    )
+    result = plugin_pytester.runpytest("-p", PLUGIN_MODULE, "-W", "error")
+    result.assert_outcomes(passed=2)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the generated package's __init__.py imports models (and torch) eagerly; "
+    "the plugin's own modules do not",
+)
+def test_torch_free_suite_never_imports_torch(plugin_pytester):
+    plugin_pytester.makeconftest(
+        "import sys\n\n"
+        "def pytest_sessionfinish():\n"
+        "    assert 'torch' not in sys.modules, 'torch was imported'\n"
+    )
+    plugin_pytester.makepyfile("def test_plain():\n    assert 1 + 1 == 2\n")
+    result = plugin_pytester.runpytest_subprocess("-p", PLUGIN_MODULE)
+    assert result.ret == 0, result.stdout.str() + result.stderr.str()
