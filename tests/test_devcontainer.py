@@ -184,13 +184,14 @@ def test_host_public_keys_are_collected_without_private_keys(project: Path, tmp_
     (devcontainer / "host-ssh-keys" / "removed-from-host.pub").write_text("old")
     script = devcontainer / "collect-host-ssh-keys.sh"
 
-    subprocess.run(["sh", str(script)], env={"HOME": str(home), "PATH": "/usr/bin:/bin"}, check=True)
+    host_env = {"HOME": str(home), "PATH": "/usr/bin:/bin"}
+    subprocess.run(["sh", str(script)], env=host_env, check=True)
     collected = sorted(p.name for p in (devcontainer / "host-ssh-keys").iterdir())
     assert collected == ["id_ed25519.pub"]
 
     # A host without ~/.ssh: nothing collected, and no failure.
     (home / ".ssh" / "id_ed25519.pub").unlink()
-    subprocess.run(["sh", str(script)], env={"HOME": str(home), "PATH": "/usr/bin:/bin"}, check=True)
+    subprocess.run(["sh", str(script)], env=host_env, check=True)
     assert not any((devcontainer / "host-ssh-keys").iterdir())
     assert (devcontainer / ".gitignore").read_text().splitlines() == ["host-ssh-keys/"]
 

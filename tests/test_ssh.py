@@ -9,6 +9,7 @@ under /tmp, whose permissions sshd's ownership checks reject.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -94,10 +95,8 @@ class SshServer:
         if not pid_file.exists():
             return
         pid = int(pid_file.read_text())
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
         for _ in range(100):  # until the port is free again
             if not running(pid):
                 break
