@@ -9,7 +9,8 @@ import re
 import shutil
 from pathlib import Path
 
-ANSWERS = json.loads(r'{{ cookiecutter | tojson }}')
+# Single quotes on purpose: tojson output holds double quotes and never a single one.
+ANSWERS = json.loads(r'{{ cookiecutter | tojson }}')  # fmt: skip
 
 # Files that exist only for a yes/no answer: removed when that answer is "no".
 FILES_BY_OPTION = {
@@ -42,7 +43,9 @@ def remove_caches(project):
 def dev_user(project):
     """The container's user as devcontainer.json names it (remoteUser), if it does."""
     config = project / ".devcontainer" / "devcontainer.json"
-    found = re.search(r'"remoteUser"\s*:\s*"([^"]+)"', config.read_text()) if config.exists() else None
+    if not config.exists():
+        return "<user>"
+    found = re.search(r'"remoteUser"\s*:\s*"([^"]+)"', config.read_text())
     return found.group(1) if found else "<user>"
 
 

@@ -12,7 +12,8 @@ import keyword
 import re
 import sys
 
-ANSWERS = json.loads(r'{{ cookiecutter | tojson }}')
+# Single quotes on purpose: tojson output holds double quotes and never a single one.
+ANSWERS = json.loads(r'{{ cookiecutter | tojson }}')  # fmt: skip
 # Below, the source is taken literally (no Jinja): {% raw %}
 
 COMPATIBILITY = ANSWERS["_compatibility"]
