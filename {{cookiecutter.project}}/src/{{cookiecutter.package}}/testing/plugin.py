@@ -55,6 +55,7 @@ class TorchTestingPlugin:
         self.visible: list[str] = []
         self.worker_devices: list[str] = []
         self.gpu_infos: list[gpus.GpuInfo] = []
+        self.driver: str | None = None
         self.cuda_checked_here = False
 
     def pytest_addoption(self, parser: pytest.Parser) -> None:
@@ -100,6 +101,7 @@ class TorchTestingPlugin:
             raise pytest.UsageError(f"--gpu was given, but CUDA is not usable: {reason}")
         self.cuda_checked_here = not self.distributed
         self.gpu_infos = gpus.query_gpus()
+        self.driver = gpus.driver_version()
         self.visible = gpus.visible_devices(os.environ.get(VISIBLE_DEVICES), self.gpu_infos)
         if self.distributed and self.visible:
             self.worker_devices = gpus.assign_devices(self.visible, len(config.getoption("tx")))
@@ -108,7 +110,7 @@ class TorchTestingPlugin:
         if not self.gpu_enabled:
             return [f"GPU tests: skipped (run pytest --{GPU_MARKER} to run them)"]
         return gpu_report_lines(
-            self.gpu_infos, self.visible, self.worker_devices, initialize=not self.distributed
+            self.driver, self.gpu_infos, self.visible, self.worker_devices, self.distributed
         )
 
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
@@ -155,8 +157,10 @@ class TorchTestingPlugin:
         allocated = cuda_memory_allocated(gpus_needed(item)) if gpu_test else None
         try:
             result = yield
-        except BaseException:
+        except BaseException as error:
             global_state.restore(before)
+            if gpu_test:
+                note_cuda_error(error, gpus_needed(item))
             raise
         problems = []
         if gpu_test:
@@ -219,25 +223,25 @@ def gpus_needed(item: pytest.Item) -> int:
 
 
 def gpu_report_lines(
+    driver: str | None,
     gpu_infos: list[gpus.GpuInfo],
     visible: list[str],
     worker_devices: list[str],
-    *,
-    initialize: bool,
+    distributed: bool,
 ) -> list[str]:
-    """The report header with --gpu; CUDA is queried only when ``initialize`` allows."""
+    """The report header with --gpu; CUDA is queried only when no xdist workers run the tests."""
     import torch
 
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     lines = [
         f"GPU tests: on; torch {torch.__version__}, CUDA runtime {torch.version.cuda}, "
-        f"NVIDIA driver {gpus.driver_version()}, cuDNN {cudnn}"
+        f"NVIDIA driver {driver}, cuDNN {cudnn}"
     ]
     if gpu_infos:
         for entry in visible:
             info = gpus.gpu_for_entry(entry, gpu_infos)
             lines.append(f"  GPU {entry}: {info.describe() if info else 'MIG instance'}")
-    elif initialize:
+    elif not distributed:
         for index in range(torch.cuda.device_count()):
             props = torch.cuda.get_device_properties(index)
             lines.append(
@@ -247,6 +251,11 @@ def gpu_report_lines(
     if worker_devices:
         pairs = ", ".join(f"gw{i} -> {device}" for i, device in enumerate(worker_devices))
         lines.append(f"  xdist workers ({VISIBLE_DEVICES}): {pairs}")
+    elif distributed:
+        lines.append(
+            "  xdist workers: GPUs unknown (no nvidia-smi), so every worker sees the "
+            f"caller's {VISIBLE_DEVICES} and uses its first GPU"
+        )
     return lines
 
 
@@ -269,6 +278,15 @@ def synchronize_or_fail(devices: int) -> None:
             "error from a kernel the test launched; CUDA_LAUNCH_BLOCKING=1 shows the "
             f"line). Later GPU tests in this process fail too.\n{error}"
         ) from error
+
+
+def note_cuda_error(error: BaseException, devices: int) -> None:
+    """Add an asynchronous CUDA error to a failing test's own error, where it belongs."""
+    try:
+        synchronize_or_fail(devices)
+    except AfterTestCheckFailed as cuda_error:
+        if hasattr(error, "add_note"):  # Python >= 3.11
+            error.add_note(str(cuda_error))
 
 
 def cuda_memory_leaks(before: list[int]) -> list[str]:
