@@ -220,6 +220,7 @@ def gradcheck(
 
 
 def _validate_options(function, params, gradgrad, fast, eps, atol, rtol, avoid_boundaries) -> None:
+    __tracebackhide__ = True
     if not callable(function):
         raise TypeError(
             f"gradcheck: model_or_function must be an nn.Module or a callable, "
@@ -319,10 +320,15 @@ def _checked_copy(name: str, tensor: torch.Tensor) -> _Checked:
     return _Checked(name, copy, False)
 
 
+class _NoFloatingOutput(TypeError):
+    """Raised inside torch's check; re-raised as a plain TypeError without torch's frames."""
+
+
 class _Problem:
     """``model_or_function`` as a function of the checked float64 tensors."""
 
     def __init__(self, function, inputs: tuple, kwargs: dict, params) -> None:
+        __tracebackhide__ = True
         self.module = function if isinstance(function, nn.Module) else None
         self.function = function
         self.description = _describe_callable(function)
@@ -376,6 +382,7 @@ class _Problem:
         )
 
     def _wanted_parameters(self, named: dict[str, torch.Tensor], params) -> set[str]:
+        __tracebackhide__ = True
         if params is True:
             return {name for name, parameter in named.items() if parameter.requires_grad}
         if params is False:
@@ -437,7 +444,7 @@ class _Problem:
                 names.append("output" + pytree.keystr(path))
                 tensors.append(torch.view_as_real(leaf) if leaf.is_complex() else leaf)
         if not tensors:
-            raise TypeError(
+            raise _NoFloatingOutput(
                 f"gradcheck: {self.description} returned {_describe_output(output)}, which holds "
                 f"no floating-point tensor: there is nothing to differentiate; return the "
                 f"tensor(s) whose gradients should be checked (a tensor, or a tuple, list or "
@@ -478,7 +485,7 @@ def _describe_callable(function: Any) -> str:
         owner_name = owner.__name__ if isinstance(owner, type) else type(owner).__name__
         return f"{owner_name}.{function.__name__}"
     if inspect.isfunction(function):
-        return function.__qualname__
+        return function.__qualname__.replace(".<locals>", "")
     return getattr(function, "__name__", None) or type(function).__name__
 
 
@@ -573,6 +580,8 @@ class _Check:
                 )
         except GradcheckError as error:
             raise _Diagnosis(self, order, str(error)).failure() from None
+        except _NoFloatingOutput as error:
+            raise TypeError(str(error)) from None
 
     def _directional(self, order: int, generator: torch.Generator):
         """A function of one scalar per checked tensor: its derivatives are fast mode's checks."""

@@ -1,0 +1,487 @@
+"""The gradcheck fixture in real pytest sessions: what must pass, what must fail and how it says so.
+
+The sessions run in this process (torch is imported here first, so they share it),
+each with many tests, to keep the template's test time down.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DEFAULT_PACKAGE, PLUGIN_MODULE
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # On a busy machine, threads contending for tiny float64 matmuls make them 100x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# Models and autograd Functions shared by the sessions' test files.
+HELPERS = f'''
+import torch
+from torch import nn
+from {DEFAULT_PACKAGE}.models import MeanGatedNet, forward_with_condition
+from {DEFAULT_PACKAGE}.testing.gradcheck import (
+    BranchBoundary, NonDifferentiablePoint, WrongGradient,
+)
+
+
+def seeded(factory, seed=0):
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return factory()
+
+
+class LinearFunction(torch.autograd.Function):
+    """y = x @ w.T with a hand-written backward; subclasses plant mistakes in it."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @classmethod
+    def grads(cls, g, x, w):
+        return g @ w, g.t() @ x
+
+    @classmethod
+    def backward(cls, ctx, g):
+        return cls.grads(g, *ctx.saved_tensors)
+
+
+class ScaledInputGrad(LinearFunction):
+    @classmethod
+    def grads(cls, g, x, w):
+        return 1.05 * (g @ w), g.t() @ x
+
+
+class TransposedWeight(LinearFunction):
+    @classmethod
+    def grads(cls, g, x, w):
+        return g @ w.t(), g.t() @ x
+
+
+class WrongWeightGrad(LinearFunction):
+    @classmethod
+    def grads(cls, g, x, w):
+        return g @ w, 0.9 * (g.t() @ x)
+
+
+class OneWrongWeightElement(LinearFunction):
+    @classmethod
+    def grads(cls, g, x, w):
+        grad_w = g.t() @ x
+        grad_w[100, 7] += 0.5
+        return g @ w, grad_w
+
+
+class Linear(nn.Module):
+    def __init__(self, function, size=4):
+        super().__init__()
+        self.function = function
+        self.weight = nn.Parameter(torch.randn(size, size))
+
+    def forward(self, x):
+        return self.function.apply(x, self.weight)
+
+
+class Wide(nn.Module):
+    """About 85,000 parameters: fast mode by default."""
+
+    def __init__(self, function=LinearFunction):
+        super().__init__()
+        self.l1 = nn.Linear(64, 256)
+        self.l2 = Linear(function, 256)
+        self.l3 = nn.Linear(256, 10)
+
+    def forward(self, x):
+        return self.l3(torch.tanh(self.l2(torch.tanh(self.l1(x)))))
+
+
+class SquareMissingTerm(torch.autograd.Function):
+    """x * w * x whose backward forgets one of the two x factors' terms."""
+
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x * w * x
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        return g * w * x, g * x * x
+
+
+class NegatedSin(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x.sin()
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return -g * x.cos()
+
+
+class Cube(torch.autograd.Function):
+    """x**3: the backward is right, but it detaches x, so its own derivative is wrong."""
+
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x**3
+
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * 3 * x.detach() ** 2
+
+
+class CorrectCube(Cube):
+    @staticmethod
+    def backward(ctx, g):
+        (x,) = ctx.saved_tensors
+        return g * 3 * x**2
+
+
+def mean_gated_at_boundary():
+    """A MeanGatedNet whose mean activation is 0 for this input: relu and tanh meet there."""
+    model = seeded(lambda: MeanGatedNet(4, 4))
+    x = seeded(lambda: torch.randn(3, 4), seed=1)
+    with torch.no_grad():
+        model.linear.bias -= model.linear(x).mean()
+    return model, x.requires_grad_()
+
+
+def state_of(module):
+    return {{
+        name: (t.dtype, t.device, t.requires_grad, t.grad, t.detach().clone())
+        for name, t in list(module.named_parameters()) + list(module.named_buffers())
+    }}
+
+
+def assert_same_state(before, after):
+    assert before.keys() == after.keys()
+    for name, (dtype, device, requires_grad, grad, value) in before.items():
+        dtype2, device2, requires_grad2, grad2, value2 = after[name]
+        assert (dtype, device, requires_grad, grad) == (dtype2, device2, requires_grad2, grad2)
+        assert torch.equal(value, value2), name
+'''
+
+PASSING = """
+import pytest
+import torch
+from torch import nn
+from {package} import (
+    DynamicNet, MeanGatedNet, PerSampleNet, RecursiveNet, conditional_model,
+    forward_with_condition,
+)
+from helpers import *
+
+
+def test_seed_examples(gradcheck):
+    x, w = torch.tensor(2.0, requires_grad=True), torch.tensor(3.0, requires_grad=True)
+    gradcheck(lambda x, w: w * x**2, x, w, gradgrad=True)
+    gradcheck(lambda x: x**2 + 3 * x + 1, x)
+    b = torch.tensor(0.5, requires_grad=True)
+    gradcheck(lambda x, w, b: (w * x + b) ** 2, x, torch.tensor(1.0, requires_grad=True), b)
+    for flag in (True, False):
+        gradcheck(conditional_model, torch.tensor([2.0, 3.0], requires_grad=True), flag)
+
+
+@pytest.mark.parametrize("factory, shape", [
+    (lambda: MeanGatedNet(8, 8), (4, 8)),
+    (lambda: PerSampleNet(8), (4, 8)),
+    (lambda: DynamicNet(in_features=8, hidden=8, out_features=3), (4, 8)),
+    (lambda: RecursiveNet(3), (2, 5, 3)),
+], ids=["branch", "per-sample-branches", "data-dependent-loop", "recursion"])
+def test_dynamic_models(gradcheck, factory, shape):
+    model = seeded(factory)
+    x = seeded(lambda: torch.randn(shape), seed=1).requires_grad_()
+    before, x_before = state_of(model), x.detach().clone()
+    result = gradcheck(model, x, gradgrad=True)
+    assert result.orders == (1, 2) and not result.fast
+    assert_same_state(before, state_of(model))
+    assert x.dtype == torch.float32 and x.requires_grad and x.grad is None
+    assert torch.equal(x.detach(), x_before)
+
+
+def test_dropout_and_batch_norm_training_mode(gradcheck):
+    model = seeded(lambda: nn.Sequential(
+        nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Tanh(), nn.Dropout(0.5), nn.Linear(6, 2)
+    ))
+    x = seeded(lambda: torch.randn(4, 5), seed=1).requires_grad_()
+    before, rng = state_of(model), torch.get_rng_state()
+    gradcheck(model, x)
+    assert_same_state(before, state_of(model))
+    assert model.training and torch.equal(torch.get_rng_state(), rng)
+
+
+def test_correct_custom_function_first_and_second_order(gradcheck):
+    x = seeded(lambda: torch.randn(3, 2), seed=1).requires_grad_()
+    gradcheck(CorrectCube.apply, x, gradgrad=True)
+    gradcheck(Linear(LinearFunction), x.detach()[:, :1].expand(3, 4).clone().requires_grad_())
+
+
+def test_dict_and_nested_outputs_and_kwargs(gradcheck):
+    def heads(x, *, scale):
+        return {{"sum": (scale * x).sum(), "parts": [x.sin(), (x.cos(), "label", 3)]}}
+
+    x = seeded(lambda: torch.randn(3), seed=1).requires_grad_()
+    gradcheck(heads, x, scale=torch.tensor(2.0, requires_grad=True), gradgrad=True)
+
+
+def test_complex_inputs(gradcheck):
+    z = seeded(lambda: torch.randn(3, dtype=torch.complex64), seed=1).requires_grad_()
+    gradcheck(lambda z: (z * z.conj() + z**2).real, z)
+
+
+def test_large_model_fast_mode(gradcheck):
+    model = seeded(Wide)
+    x = seeded(lambda: torch.randn(8, 64), seed=1).requires_grad_()
+    result = gradcheck(model, x, gradgrad=True)
+    assert result.fast and result.elements > 80_000
+
+
+def test_parameter_error_not_seen_by_inputs_only_check(gradcheck):
+    gradcheck(seeded(lambda: Linear(WrongWeightGrad)), torch.randn(3, 4, requires_grad=True),
+              params=False)
+
+
+def test_wrong_second_order_not_seen_by_first_order_check(gradcheck):
+    gradcheck(Cube.apply, seeded(lambda: torch.randn(4), seed=1).requires_grad_())
+
+
+def test_boundary_avoided_on_request(gradcheck):
+    model, x = mean_gated_at_boundary()
+    result = gradcheck(model, x, avoid_boundaries=True)
+    assert result.moved >= 1
+
+
+def test_model_unchanged_after_a_failure(gradcheck):
+    model = seeded(lambda: Linear(WrongWeightGrad))
+    x = torch.randn(3, 4, requires_grad=True)
+    before = state_of(model)
+    with pytest.raises(WrongGradient):
+        gradcheck(model, x)
+    assert_same_state(before, state_of(model))
+    assert x.grad is None
+"""
+
+FAILING = """
+import torch
+from {package} import forward_with_condition
+from helpers import *
+
+
+def x34():
+    return seeded(lambda: torch.randn(3, 4), seed=1).requires_grad_()
+
+
+def test_backward_off_by_small_factor(gradcheck):
+    gradcheck(seeded(lambda: Linear(ScaledInputGrad)), x34())
+
+
+def test_backward_missing_a_term(gradcheck):
+    gradcheck(SquareMissingTerm.apply, x34(), torch.randn(3, 4, requires_grad=True))
+
+
+def test_backward_wrong_sign(gradcheck):
+    gradcheck(NegatedSin.apply, x34())
+
+
+def test_backward_transposed_weight(gradcheck):
+    gradcheck(seeded(lambda: Linear(TransposedWeight)), x34())
+
+
+def test_parameter_only_error(gradcheck):
+    gradcheck(seeded(lambda: Linear(WrongWeightGrad)), x34())
+
+
+def test_wrong_second_order(gradcheck):
+    gradcheck(Cube.apply, seeded(lambda: torch.randn(4), seed=1).requires_grad_(), gradgrad=True)
+
+
+def test_fast_mode_names_the_element(gradcheck):
+    gradcheck(seeded(lambda: Wide(OneWrongWeightElement)), torch.randn(8, 64, requires_grad=True))
+
+
+def test_branch_boundary(gradcheck):
+    gradcheck(*mean_gated_at_boundary())
+
+
+def test_branch_boundary_of_a_function(gradcheck):
+    x = torch.tensor([[1.0, 2.0], [3.0, 4.0]], requires_grad=True)
+    gradcheck(forward_with_condition, x, 2.5)
+
+
+def test_kink(gradcheck):
+    gradcheck(torch.relu, torch.tensor([1.0, 0.0, -1.0], requires_grad=True))
+
+
+def test_nothing_to_check(gradcheck):
+    gradcheck(seeded(lambda: Linear(LinearFunction)), torch.randn(3, 4), params=False)
+
+
+def test_integer_input(gradcheck):
+    gradcheck(lambda i: i.double() * 2, torch.arange(3))
+
+
+def test_no_floating_point_output(gradcheck):
+    gradcheck(lambda x: x.argmax(), torch.randn(3, requires_grad=True))
+
+
+def test_bad_option(gradcheck):
+    gradcheck(torch.sin, torch.randn(3, requires_grad=True), eps=0)
+"""
+
+# For each failing test: the lines its failure report must hold, in this order
+# (fnmatch patterns in which "[" stands for itself).
+EXPECTED_FAILURES = {
+    "test_backward_off_by_small_factor": [
+        "E**WrongGradient: wrong first-order gradient of Linear with respect to input x[*",
+        "E*d output[*] / d input x[*]: numerical *, analytical *",
+        "E*12 of 12 elements of input x are wrong; in all of them the analytical gradient"
+        " is 1.05 times the numerical one",
+        "E*checked Linear in float64 (eps=1e-06, atol=1e-05, rtol=0.001), slow mode (*",
+    ],
+    "test_backward_missing_a_term": [
+        "E**WrongGradient: wrong first-order gradient of SquareMissingTerm.apply with respect"
+        " to input args[0][*",
+        "*the analytical gradient is 0.5 times the numerical one",
+    ],
+    "test_backward_wrong_sign": ["*WrongGradient*", "*the analytical gradient has the wrong sign*"],
+    "test_backward_transposed_weight": [
+        "E**WrongGradient: wrong first-order gradient of Linear with respect to input x[*",
+        "E*d output[*] / d input x[*]: numerical *, analytical *",
+    ],
+    "test_parameter_only_error": [
+        "E**WrongGradient: wrong first-order gradient of Linear with respect to parameter weight[*",
+        "*in all of them the analytical gradient is 0.9 times the numerical one",
+    ],
+    "test_wrong_second_order": [
+        "E**WrongGradient: wrong second-order gradient of Cube.apply with respect to input "
+        "args[0][*",
+        "E*d (gradient of input args[0][*]) / d input args[0][*]: numerical *, analytical 0 *",
+        "E*second order: *",
+    ],
+    "test_fast_mode_names_the_element": [
+        "E**WrongGradient: wrong first-order gradient of Wide with respect to parameter "
+        "l2.weight[100, 7]",
+        "E*d output[*] / d parameter l2.weight[100, 7]: numerical 0, analytical 0.5 *",
+        "E*checked Wide in float64 *, fast mode (85,258 elements > FAST_MODE_ABOVE=2,048*"
+        "; the failing tensor was then rechecked element by element",
+    ],
+    "test_branch_boundary": [
+        "E**BranchBoundary: cannot check the gradient of MeanGatedNet here: the input is within"
+        " eps of a branch boundary at decision #1 (*models.py:*)",
+        "E*at the point: decision #1: Tensor.__bool__ -> * at *models.py:*",
+        "E*with * eps (1e-06): decision #1: Tensor.__bool__ -> * at *models.py:*",
+        "*this is not a wrong gradient",
+        "*avoid_boundaries=True*",
+    ],
+    "test_branch_boundary_of_a_function": [
+        "E**BranchBoundary: cannot check the gradient of forward_with_condition here: the "
+        "input is within eps of a branch boundary at decision #1 (*models.py:*)",
+        "E*at the point: decision #1: Tensor.__bool__ -> False at *",
+        "E*with input x[0, 0] + eps (1e-06): decision #1: Tensor.__bool__ -> True at *",
+    ],
+    "test_kink": [
+        "E**NonDifferentiablePoint: cannot check the gradient of relu at input 0[1]: the "
+        "function is not differentiable there *",
+        "E*d output[1] / d input 0[1]: from the left 0, from the right 1, central 0.5; "
+        "analytical 0 (the left-hand derivative)",
+    ],
+    "test_nothing_to_check": [
+        "E*ValueError: gradcheck: nothing to check: no input requires grad and params=False",
+    ],
+    "test_integer_input": [
+        "E*ValueError: gradcheck: nothing to check: *",
+        "E*integer tensors have no gradient: input i (torch.int64); *",
+    ],
+    "test_no_floating_point_output": [
+        "E*TypeError: gradcheck: test_no_floating_point_output.<lambda> returned a torch.int64 "
+        "tensor, which holds no floating-point tensor*",
+    ],
+    "test_bad_option": ["E*ValueError: gradcheck: eps must be a finite number > 0, got 0"],
+}
+
+
+def run_session(pytester: pytest.Pytester, source: str, *args: str) -> pytest.RunResult:
+    pytester.makepyfile(helpers=HELPERS)
+    pytester.makepyfile(test_session=source.format(package=DEFAULT_PACKAGE))
+    return pytester.runpytest("-p", PLUGIN_MODULE, "-p", "no:cacheprovider", *args)
+
+
+def failure_reports(result: pytest.RunResult) -> dict[str, list[str]]:
+    """Each failed test's report lines, by test name."""
+    reports: dict[str, list[str]] = {}
+    current = None
+    for line in result.outlines:
+        header = re.fullmatch(r"_{3,} (test_\w+) _{3,}", line)
+        if header:
+            current = reports.setdefault(header.group(1), [])
+        elif re.match(r"={3,} ", line):
+            current = None
+        elif current is not None:
+            current.append(line)
+    return reports
+
+
+def test_correct_models_pass_and_report_their_mode(plugin_pytester):
+    result = run_session(plugin_pytester, PASSING, "-v")
+    result.assert_outcomes(passed=14)
+    result.stdout.fnmatch_lines(
+        [
+            "gradcheck DynamicNet: first and second order passed in * s, slow mode (* elements"
+            " <= FAST_MODE_ABOVE=2,048: every element), 7 tensor(s) (input x, parameter "
+            "encoder.weight, *",
+            "gradcheck Wide: first and second order passed in * s, fast mode (85,258 elements > "
+            "FAST_MODE_ABOVE=2,048: one random direction per tensor; fast=False checks every "
+            "element), 6 tensor(s) *",
+            "gradcheck MeanGatedNet: first order passed in *, at a point moved * off a boundary",
+        ],
+        consecutive=False,
+    )
+
+
+def test_wrong_gradients_and_misuse_fail_with_their_cause(plugin_pytester):
+    result = run_session(plugin_pytester, FAILING)
+    result.assert_outcomes(failed=len(EXPECTED_FAILURES))
+    reports = failure_reports(result)
+    assert reports.keys() == EXPECTED_FAILURES.keys()
+    for name, expected in EXPECTED_FAILURES.items():
+        report = pytest.LineMatcher(reports[name])
+        report.fnmatch_lines([line.replace("[", "[[]") for line in expected], consecutive=False)
+        if "Boundary" in expected[0] or "NonDifferentiable" in expected[0]:
+            report.no_fnmatch_line("*wrong*-order gradient*")
+
+
+def test_generated_gradient_tests_pass(plugin_pytester, default_project: Path):
+    tests = default_project / "tests" / "test_gradients.py"
+    result = plugin_pytester.runpytest(str(tests), "-p", PLUGIN_MODULE, "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=12, skipped=4)
+
+
+def test_fixture_is_listed_with_its_usage(plugin_pytester):
+    plugin_pytester.makepyfile(
+        test_imports=textwrap.dedent(
+            """
+            def test_fixture_is_a_callable(gradcheck):
+                assert callable(gradcheck)
+            """
+        )
+    )
+    result = plugin_pytester.runpytest_subprocess(
+        "-p", PLUGIN_MODULE, "--fixtures", "-p", "no:cacheprovider"
+    )
+    result.stdout.fnmatch_lines(["gradcheck -- *", "    ``gradcheck(model_or_function, *"])
