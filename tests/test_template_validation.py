@@ -181,3 +181,30 @@ def test_extra_context_python_payload_is_data(output_dir):
     assert meta["description"] == meta["authors"][0]["name"] == PYTHON_PAYLOAD
     assert PYTHON_PAYLOAD in (project / "LICENSE").read_text()
     assert_no_pwned(output_dir.parent, TEMPLATE_DIR)
+
+
+def test_python_version_is_checked_against_the_table(output_dir, capfd):
+    """No prompt offers an unsupported Python today; the hook still reads the table as data."""
+    table = {"_compatibility": {"torch_python": {"2.13.0": ["3.12", "3.13"]}}}
+    with pytest.raises(FailedHookException):
+        bake_project(output_dir, python_version="3.11", **table)
+    assert (
+        "error: python_version = '3.11' is not allowed: "
+        "expected a Python version torch 2.13.0 supports: 3.12, 3.13"
+    ) in capfd.readouterr().err
+    assert entries(output_dir) == ["keep.txt"]
+    assert bake_project(output_dir, python_version="3.12", **table).is_dir()
+
+
+@pytest.mark.parametrize(("given", "seen"), [(2, "'2'"), ("maybe", None)])
+def test_jupyter_must_be_yes_or_no(output_dir, capfd, given, seen):
+    if seen is None:  # cookiecutter converts yes/no words itself and refuses others
+        with pytest.raises(ValueError, match="maybe provided for variable jupyter"):
+            bake_project(output_dir, jupyter=given)
+    else:
+        with pytest.raises(FailedHookException):
+            bake_project(output_dir, jupyter=given)
+        assert (
+            f"error: jupyter = {seen} is not allowed: expected yes or no" in capfd.readouterr().err
+        )
+    assert entries(output_dir) == ["keep.txt"]
