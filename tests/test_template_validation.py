@@ -208,3 +208,11 @@ def test_jupyter_must_be_yes_or_no(output_dir, capfd, given, seen):
             f"error: jupyter = {seen} is not allowed: expected yes or no" in capfd.readouterr().err
         )
     assert entries(output_dir) == ["keep.txt"]
+
+
+def test_project_name_cannot_place_files_outside_the_output_folder(output_dir, capfd):
+    before = entries(output_dir.parent)
+    with pytest.raises(FailedHookException):
+        bake_project(output_dir, project="../escape")
+    assert "error: project = '../escape' is not allowed" in capfd.readouterr().err
+    assert entries(output_dir.parent) == before
