@@ -212,3 +212,20 @@ def test_readme_explains_the_container(project: Path):
     ):
         assert expected in readme, expected
     assert ("JupyterLab listens on port 8899" in readme) == jupyter_on(project)
+
+
+def test_template_dev_container_for_template_developers():
+    from conftest import TEMPLATE_DIR
+    from test_devcontainer_e2e import DEVCONTAINER_CLI_VERSION
+
+    folder = TEMPLATE_DIR / ".devcontainer"
+    settings = json.loads((folder / "devcontainer.json").read_text())
+    assert set(settings) <= SPEC_PROPERTIES
+    assert settings["privileged"] is True  # the end-to-end test runs its own dockerd
+    text = (folder / "Dockerfile").read_text()
+    assert "COPY .ci/apt-packages.txt" in text
+    assert f"ARG DEVCONTAINER_CLI_VERSION={DEVCONTAINER_CLI_VERSION}\n" in text
+    result = subprocess.run(
+        [tool("hadolint"), str(folder / "Dockerfile")], capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stdout
