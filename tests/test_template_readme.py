@@ -72,3 +72,14 @@ def test_generate_command_works_in_a_fresh_clone(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert (clone / "dynamic-model" / "pyproject.toml").is_file()
     assert re.search(r"Created dynamic-model/", result.stdout)
+
+
+def test_choice_labels_agree_with_the_table():
+    prompts = CONTEXT["__prompts__"]
+    for field in ("torch_version", "cuda_version", "license"):
+        assert set(prompts[field]) - {"__prompt__"} == set(CONTEXT[field])
+    for torch, cudas in TABLE["torch_cuda"].items():
+        assert prompts["torch_version"][torch] == f"{torch} (CUDA builds: {', '.join(cudas)})"
+    for cuda in CONTEXT["cuda_version"]:
+        driver = TABLE["min_driver_by_cuda_major"][cuda.split(".")[0]]
+        assert f"driver >= {driver}" in prompts["cuda_version"][cuda]
