@@ -70,7 +70,8 @@ def test_cpu_only_machine_passes_with_a_gpu_warning(default_project: Path) -> No
         assert table[check][0] == "ok", (check, table[check])
     assert table["deterministic mode"] == ("ok", "two runs bitwise equal on cpu")
     assert "[4, 6]" in table["autograd cpu"][1]
-    assert "sshd" not in table and "jupyter" not in table  # not inside the dev container
+    assert "sshd" not in table  # not inside the dev container
+    assert "jupyter" not in table
     assert result.stdout.splitlines()[-1].startswith("0 failed, ")
 
 
@@ -98,7 +99,7 @@ def test_json_parses_and_matches_the_exit_status(default_project: Path) -> None:
         "NVIDIA driver",
         "GPU",
     ]
-    assert [c for c in failed["checks"] if c["status"] == "FAIL"][0]["check"] == "GPU"
+    assert [c["check"] for c in failed["checks"] if c["status"] == "FAIL"] == ["GPU"]
 
 
 WRONG_POW = """
@@ -218,7 +219,8 @@ def test_no_gpu_is_a_warning_unless_required(checks) -> None:
     (warning,) = checks.check_gpus(reason, require_gpu=False)
     (failure,) = checks.check_gpus(reason, require_gpu=True)
     assert (warning.status, failure.status) == ("warn", "FAIL")
-    assert warning.detail.startswith(reason) and failure.detail == reason
+    assert warning.detail.startswith(reason)
+    assert failure.detail == reason
 
 
 def test_shm_size(checks, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -231,7 +233,8 @@ def test_shm_size(checks, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> No
     monkeypatch.setattr(os, "statvfs", docker_default)
     small = checks.check_shm(Path("/dev/shm"))
     assert small.status == "warn"
-    assert small.detail.startswith("64 MiB") and "--ipc=host" in small.detail
+    assert small.detail.startswith("64 MiB")
+    assert "--ipc=host" in small.detail
     monkeypatch.setattr(os, "statvfs", real_statvfs)
     if os.statvfs("/dev/shm").f_blocks * os.statvfs("/dev/shm").f_frsize >= 1 << 30:
         assert checks.check_shm(Path("/dev/shm")).status == "ok"
@@ -323,9 +326,11 @@ def test_sshd_check_against_real_sshd(checks, real_sshd: int) -> None:
 def test_sshd_check_failures(checks, http_server) -> None:
     assert checks.check_sshd({}) is None
     closed = checks.check_sshd({"PROJECT_SSH_PORT": str(free_port())})
-    assert closed.status == "FAIL" and "nothing answers on 127.0.0.1:" in closed.detail
+    assert closed.status == "FAIL"
+    assert "nothing answers on 127.0.0.1:" in closed.detail
     web = checks.check_sshd({"PROJECT_SSH_PORT": str(http_server(b"{}"))})
-    assert web.status == "FAIL" and "not with an SSH banner" in web.detail
+    assert web.status == "FAIL"
+    assert "not with an SSH banner" in web.detail
     bad = checks.check_sshd({"PROJECT_SSH_PORT": "22x"})
     assert (bad.status, bad.detail) == ("FAIL", "PROJECT_SSH_PORT='22x' is not a port number")
 
@@ -336,9 +341,11 @@ def test_jupyter_check(checks, http_server) -> None:
     result = checks.check_jupyter({"PROJECT_JUPYTER_PORT": str(jupyter)})
     assert (result.status, result.detail) == ("ok", f"Jupyter server 2.17.0 on port {jupyter}")
     other = checks.check_jupyter({"PROJECT_JUPYTER_PORT": str(http_server(b"<html>", 404))})
-    assert other.status == "FAIL" and "is not a Jupyter server (HTTP/1.0 404" in other.detail
+    assert other.status == "FAIL"
+    assert "is not a Jupyter server (HTTP/1.0 404" in other.detail
     closed = checks.check_jupyter({"PROJECT_JUPYTER_PORT": str(free_port())})
-    assert closed.status == "FAIL" and "start JupyterLab" in closed.detail
+    assert closed.status == "FAIL"
+    assert "start JupyterLab" in closed.detail
 
 
 def test_inside_the_dev_container(default_project: Path, real_sshd: int, http_server) -> None:
