@@ -342,6 +342,10 @@ class _Problem:
         integer_inputs: list[str] = []
 
         paths_and_leaves, self._spec = pytree.tree_flatten_with_path((inputs, kwargs))
+        flat = all(len(path) == 2 for path, _ in paths_and_leaves)
+        flat = flat and len(paths_and_leaves) == len(inputs) + len(kwargs)
+        self._positional = len(inputs)
+        self._keywords = list(kwargs) if flat else None
         names = _positional_names(self.module.forward if self.module else function, len(inputs))
         self._leaves: list[Any] = []
         for position, (path, leaf) in enumerate(paths_and_leaves):
@@ -420,7 +424,11 @@ class _Problem:
         leaves = self._leaves.copy()
         for position, slot in self._input_slots:
             leaves[position] = self.checked[slot].as_user(values[slot])
-        args, kwargs = pytree.tree_unflatten(leaves, self._spec)
+        if self._keywords is None:
+            args, kwargs = pytree.tree_unflatten(leaves, self._spec)
+        else:  # flat arguments: what tree_unflatten would build, without its cost
+            args = tuple(leaves[: self._positional])
+            kwargs = dict(zip(self._keywords, leaves[self._positional :], strict=True))
         for generator in self._generators:
             generator.manual_seed(EVALUATION_SEED)
         if self.module is None:
@@ -434,6 +442,9 @@ class _Problem:
         return self._floating_outputs(output)
 
     def _floating_outputs(self, output: Any) -> tuple[torch.Tensor, ...]:
+        if self.output_names is not None and type(output) is torch.Tensor:
+            if output.is_floating_point():
+                return (output,)
         if isinstance(output, torch.Tensor):
             items = [((), output)]
         else:
@@ -528,21 +539,6 @@ def _input_name(path: tuple, positional: list[str]) -> str:
 # --- running torch's checks -------------------------------------------------------------
 
 
-class _Shift(torch.autograd.Function):
-    """``x + t * u`` for a scalar ``t``; the bare ``x`` (a view) when ``t`` is 0, at no cost."""
-
-    @staticmethod
-    def forward(ctx, x, t, u):
-        ctx.save_for_backward(u)
-        step = float(t)
-        return x.view_as(x) if step == 0.0 else torch.add(x, u, alpha=step)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (u,) = ctx.saved_tensors
-        return None, (grad * u).sum(), None
-
-
 def _random_weights(like: torch.Tensor, generator: torch.Generator, *, normalized: bool = True):
     """Random weights between 0.5 and 1.5 shaped like ``like``; summing to 1 if ``normalized``.
 
@@ -587,31 +583,45 @@ class _Check:
         """A function of one scalar per checked tensor: its derivatives are fast mode's checks."""
         checked = self.problem.checked
         directions = [_random_weights(c.value, generator) for c in checked]
-        projections = [_random_weights(c.value, generator) for c in checked]
+        if order == 2:
+            projections = [_random_weights(c.value, generator) for c in checked]
         weights: list[torch.Tensor] = []
 
-        def evaluate(steps) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-            values = [
-                _Shift.apply(c.value, t, u)
-                for c, t, u in zip(checked, steps, directions, strict=True)
-            ]
+        def evaluate(steps) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
+            moved = [float(t.detach()) for t in steps]
+            at_point = not any(moved)
+            if at_point:
+                # Where torch differentiates: x + t * u, with t in the graph.
+                values = [
+                    torch.addcmul(c.value, t, u)
+                    for c, t, u in zip(checked, steps, directions, strict=True)
+                ]
+            else:
+                # A finite difference: torch moves one step, and needs no graph back to it.
+                values = [
+                    c.value if m == 0.0 else torch.add(c.value, u, alpha=m)
+                    for c, m, u in zip(checked, moved, directions, strict=True)
+                ]
+                if order == 2:
+                    values = [v.detach().requires_grad_() for v in values]
             outputs = self.problem.evaluate(values)
             if not weights:
                 weights.extend(
                     _random_weights(o, generator, normalized=order == 1) for o in outputs
                 )
-            return values, [(w * o).sum() for w, o in zip(weights, outputs, strict=True)]
+            sums = [(w * o).sum() for w, o in zip(weights, outputs, strict=True)]
+            return values, sums, at_point
 
         def first(steps):
             return tuple(evaluate(steps)[1])
 
         def second(steps):
-            values, sums = evaluate(steps)
+            values, sums, at_point = evaluate(steps)
             differentiable = [s for s in sums if s.requires_grad]
             if not differentiable:
                 return tuple(torch.zeros((), dtype=torch.float64, device=v.device) for v in values)
             grads = torch.autograd.grad(
-                sum(differentiable), values, create_graph=True, allow_unused=True
+                sum(differentiable), values, create_graph=at_point, allow_unused=True
             )
             return tuple(
                 (g * p).sum() if g is not None else torch.zeros((), dtype=v.dtype, device=v.device)

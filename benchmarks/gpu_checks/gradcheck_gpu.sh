@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# GPU checks of the gradcheck fixture (issue 5), on a machine with an NVIDIA GPU.
+#
+#   bash benchmarks/gpu_checks/gradcheck_gpu.sh      # from the template repository root
+#
+# Needs a CUDA build of torch and pytest in $PYTHON (default: python3). No network:
+# the project is baked with cookiecutter when it is installed, else its src folder is
+# copied as is (the template copies src/ without rendering) and the one rendered
+# test file gets the package name; the plugin is loaded with -p. Under a minute.
+# Checks, all on the `gpu` device: the generated tests/test_gradients.py (example
+# models, first and second order); dropout and BatchNorm; fast mode on a wide model;
+# a planted wrong parameter gradient failing with the element named (slow and fast
+# mode); a branch boundary reported as such; the user's model left on the GPU in float32.
+set -uo pipefail
+
+python=${PYTHON:-python3}
+root=$(pwd)
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+project="$work/dynamic-model"
+if "$python" -c "import cookiecutter" 2>/dev/null; then
+    "$python" -m cookiecutter --no-input --output-dir "$work" "$root" >/dev/null || exit 1
+else
+    mkdir -p "$project/src" "$project/tests"
+    cp -r "$root/{{cookiecutter.project}}/src/{{cookiecutter.package}}" "$project/src/dynamic_model"
+    sed 's/{{ cookiecutter.package }}/dynamic_model/g' \
+        "$root/{{cookiecutter.project}}/tests/test_gradients.py" >"$project/tests/test_gradients.py"
+fi
+
+cat >"$project/tests/test_gradcheck_gpu.py" <<'EOF'
+import pytest
+import torch
+from torch import nn
+
+from dynamic_model import MeanGatedNet
+from dynamic_model.testing.gradcheck import BranchBoundary, WrongGradient
+
+
+def seeded(factory, seed=0):
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return factory()
+
+
+class WrongWeightGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return x @ w.t()
+
+    @staticmethod
+    def backward(ctx, g):
+        x, w = ctx.saved_tensors
+        grad_w = g.t() @ x
+        grad_w[1, 2] += 0.5
+        return g @ w, grad_w
+
+
+class Planted(nn.Module):
+    def __init__(self, size):
+        super().__init__()
+        self.inner = nn.Linear(size, size)
+        self.weight = nn.Parameter(torch.randn(size, size))
+
+    def forward(self, x):
+        return WrongWeightGrad.apply(torch.tanh(self.inner(x)), self.weight)
+
+
+@pytest.mark.parametrize("size, fast", [(4, False), (512, True)], ids=["slow", "fast"])
+def test_planted_wrong_gradient_is_named(gpu, gradcheck, size, fast):
+    model = seeded(lambda: Planted(size)).to(gpu)
+    x = torch.randn(3, size, device=gpu, requires_grad=True)
+    with pytest.raises(WrongGradient) as failure:
+        gradcheck(model, x)
+    print(failure.value)
+    assert failure.value.tensor == "parameter weight" and failure.value.index == (1, 2)
+    assert ("fast mode" in str(failure.value)) == fast
+    assert all(p.device == gpu and p.dtype == torch.float32 for p in model.parameters())
+    gradcheck(model, x, params=["inner.weight", "inner.bias"])  # the rest is right
+
+
+def test_branch_boundary_reported_as_boundary(gpu, gradcheck):
+    model = seeded(lambda: MeanGatedNet(4, 4)).to(gpu)
+    x = torch.randn(3, 4, device=gpu)
+    with torch.no_grad():
+        model.linear.bias -= model.linear(x).mean()
+    with pytest.raises(BranchBoundary) as failure:
+        gradcheck(model, x.requires_grad_())
+    print(failure.value)
+    assert "models.py:" in str(failure.value)
+    gradcheck(model, x, avoid_boundaries=True)
+
+
+def test_dropout_batch_norm_and_fast_mode(gpu, gradcheck):
+    model = seeded(lambda: nn.Sequential(
+        nn.Linear(64, 256), nn.BatchNorm1d(256), nn.Tanh(), nn.Dropout(0.2), nn.Linear(256, 10)
+    )).to(gpu)
+    x = torch.randn(16, 64, device=gpu, requires_grad=True)
+    running_mean = model[1].running_mean.clone()
+    result = gradcheck(model, x, gradgrad=True)
+    print(result)
+    assert result.fast
+    assert torch.equal(model[1].running_mean, running_mean)
+EOF
+
+cd "$project" || exit 1
+"$python" -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name(0))"
+"$python" -m pytest -p dynamic_model.testing.plugin -p no:cacheprovider --gpu -v -rA \
+    --rootdir "$project" tests/test_gradients.py tests/test_gradcheck_gpu.py
+status=$?
+echo "gradcheck GPU checks: exit status $status"
+exit $status

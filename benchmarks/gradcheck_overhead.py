@@ -1,0 +1,160 @@
+"""Cost of the ``gradcheck`` fixture against ``torch.autograd.gradcheck`` on the same function.
+
+Targets: at most 1.10x a direct ``torch.autograd.gradcheck`` in slow and in fast mode,
+and fast-mode time that grows like a few forward/backward passes, not with the
+parameter count.
+
+The direct call is what a test would write by hand, as PyTorch's own module tests
+do: a float64 copy of the model, its parameters passed next to the input, and
+``torch.func.functional_call`` as the function. The fixture's side is the same check
+through ``gradcheck(model, x)`` on the float32 model: copying, seeding each
+evaluation, collecting outputs and restoring the global state included. Both sides
+run interleaved; the best of ``--repeats`` is compared, by wall clock and by CPU time
+(on a shared machine the CPU-time ratio is the stable one; one torch thread by
+default for the same reason).
+
+    python benchmarks/gradcheck_overhead.py [--repeats 7] [--threads 1] [--src SRC]
+
+Bakes the default project to import the plugin's ``gradcheck`` module unless
+``--src`` points at an existing generated project's ``src`` folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+TEMPLATE_DIR = Path(__file__).resolve().parent.parent
+TARGET_RATIO = 1.10
+SIZES = (1_000, 10_000, 100_000, 1_000_000)
+
+
+def generated_src(src: str | None) -> Path:
+    if src:
+        return Path(src)
+    from cookiecutter.main import cookiecutter
+
+    output = tempfile.mkdtemp(prefix="gradcheck-benchmark-")
+    return Path(cookiecutter(str(TEMPLATE_DIR), no_input=True, output_dir=output)) / "src"
+
+
+def mlp(parameters: int, inputs: int = 16):
+    """Three tanh layers with about ``parameters`` parameters."""
+    from torch import nn
+
+    # h^2 + (inputs + 12) h + 10 = parameters
+    b = inputs + 12
+    hidden = max(2, round((-b + math.sqrt(b * b + 4 * (parameters - 10))) / 2))
+    return nn.Sequential(
+        nn.Linear(inputs, hidden),
+        nn.Tanh(),
+        nn.Linear(hidden, hidden),
+        nn.Tanh(),
+        nn.Linear(hidden, 10),
+    )
+
+
+def direct_check(model, x, fast: bool) -> bool:
+    """``torch.autograd.gradcheck`` over the input and every parameter, written by hand."""
+    import torch
+
+    double = copy.deepcopy(model).double()
+    names = [name for name, _ in double.named_parameters()]
+    params = [p.detach().clone().requires_grad_() for p in double.parameters()]
+    inputs = (x.detach().double().requires_grad_(), *params)
+
+    def function(x, *params):
+        return torch.func.functional_call(double, dict(zip(names, params, strict=True)), (x,))
+
+    return torch.autograd.gradcheck(function, inputs, fast_mode=fast)
+
+
+def best(function, repeats: int) -> tuple[float, float]:
+    """Best wall-clock and CPU seconds of ``repeats`` calls."""
+    wall, cpu = math.inf, math.inf
+    for _ in range(repeats):
+        wall_start, cpu_start = time.perf_counter(), time.process_time()
+        function()
+        wall = min(wall, time.perf_counter() - wall_start)
+        cpu = min(cpu, time.process_time() - cpu_start)
+    return wall, cpu
+
+
+def interleaved(first, second, repeats: int):
+    """Best times of two functions measured in alternation, so load hits both alike."""
+    times = [[math.inf, math.inf], [math.inf, math.inf]]
+    for _ in range(repeats):
+        for slot, function in enumerate((first, second)):
+            wall, cpu = best(function, 1)
+            times[slot] = [min(times[slot][0], wall), min(times[slot][1], cpu)]
+    return times
+
+
+def compare_with_direct(gradcheck, repeats: int) -> bool:
+    import torch
+
+    print(f"fixture vs direct torch.autograd.gradcheck (target <= {TARGET_RATIO:.2f}x)")
+    print(f"{'mode':<6}{'elements':>10}{'direct s':>11}{'fixture s':>11}{'wall x':>8}{'cpu x':>8}")
+    ok = True
+    for mode, parameters, batch in (("slow", 500, 4), ("fast", 50_000, 16)):
+        fast = mode == "fast"
+        model = mlp(parameters)
+        x = torch.randn(batch, 16, requires_grad=True)
+        elements = x.numel() + sum(p.numel() for p in model.parameters())
+        direct, fixture = interleaved(
+            lambda: direct_check(model, x, fast),  # noqa: B023
+            lambda: gradcheck(model, x, fast=fast),  # noqa: B023
+            repeats,
+        )
+        wall, cpu = fixture[0] / direct[0], fixture[1] / direct[1]
+        ok = ok and cpu <= TARGET_RATIO
+        print(
+            f"{mode:<6}{elements:>10,}{direct[0]:>11.4f}{fixture[0]:>11.4f}{wall:>8.3f}{cpu:>8.3f}"
+        )
+    return ok
+
+
+def fast_mode_growth(gradcheck, repeats: int) -> None:
+    import torch
+
+    print("\nfast mode by model size (one float64 forward+backward pass = 'pass')")
+    print(f"{'parameters':>12}{'pass s':>10}{'direct s':>10}{'fixture s':>11}{'passes':>8}")
+    for parameters in SIZES:
+        model = mlp(parameters)
+        x = torch.randn(16, 16, requires_grad=True)
+        double = copy.deepcopy(model).double()
+        x64 = x.detach().double().requires_grad_()
+        one_pass, _ = best(lambda: double(x64).sum().backward(), repeats)  # noqa: B023
+        direct, _ = best(lambda: direct_check(model, x, fast=True), repeats)  # noqa: B023
+        check, _ = best(lambda: gradcheck(model, x, fast=True), repeats)  # noqa: B023
+        count = sum(p.numel() for p in model.parameters())
+        print(f"{count:>12,}{one_pass:>10.4f}{direct:>10.4f}{check:>11.4f}{check / one_pass:>8.1f}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--src", help="a generated project's src folder (default: bake one)")
+    args = parser.parse_args()
+    src = generated_src(args.src)  # before sys.path is looked up: baking replaces sys.path
+    sys.path.insert(0, str(src))
+    import torch
+    from dynamic_model.testing.gradcheck import gradcheck
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    gradcheck(mlp(100), torch.randn(2, 16, requires_grad=True))  # warm up
+    ok = compare_with_direct(gradcheck, args.repeats)
+    fast_mode_growth(gradcheck, args.repeats)
+    print(f"\n{'within' if ok else 'OVER'} target (CPU-time ratio <= {TARGET_RATIO:.2f}x)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
