@@ -13,7 +13,7 @@ import json5
 import pytest
 import yaml
 from conftest import TEMPLATE_DIR, bake_project
-from expected_files import expected_files, resolve_answers
+from expected_files import FILES_BY_ANSWER, expected_files, resolve_answers
 from validate_pyproject import api as validate_pyproject_api
 
 CONTEXT = json.loads((TEMPLATE_DIR / "cookiecutter.json").read_text())
@@ -259,3 +259,17 @@ def test_post_generation_prints_next_steps(bake, capfd, jupyter, port):
     for step in ("cd dynamic-model", "Reopen in Container", "pytest --gpu", "ssh -p 2200"):
         assert step in out
     assert ("JupyterLab: http://localhost:8888/" in out) is jupyter
+
+
+@pytest.mark.parametrize("baked", ["no-jupyter-apache"], indirect=True)
+def test_no_file_refers_to_a_file_an_option_removed(baked):
+    _, project = baked
+    removed = {Path(path).name for path in FILES_BY_ANSWER[("jupyter", True)]}
+    assert removed, "the Jupyter-only files are listed in expected_files.FILES_BY_ANSWER"
+    mentions = [
+        f"{relative} mentions {name}"
+        for relative, path in all_files(project).items()
+        for name in removed
+        if name in path.read_text(encoding="utf-8")
+    ]
+    assert not mentions
