@@ -1,0 +1,530 @@
+"""The ``autograd_determinism`` fixture in real pytest sessions, and the helpers behind it.
+
+Each session runs in its own interpreter (``runpytest_subprocess``) with the default
+project's plugin loaded, so what a user sees is what is checked: outcomes and the
+failure messages. Helpers that are plain functions are tested directly.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DEFAULT_PACKAGE, PLUGIN_MODULE
+
+
+def run_session(pytester: pytest.Pytester, source: str, *args: str) -> pytest.RunResult:
+    pytester.makepyfile(test_session=source)
+    return pytester.runpytest_subprocess("-p", PLUGIN_MODULE, "-p", "no:cacheprovider", *args)
+
+
+def failure_section(result: pytest.RunResult, test_name: str) -> str:
+    """The text pytest printed for one failing test (its ``___ test_name ___`` section)."""
+    text = result.stdout.str()
+    match = re.search(rf"_{{3,}} {test_name} _{{3,}}\n(.*?)(?=\n_{{3,}} |\n={{3,}} )", text, re.S)
+    assert match, f"no failure section for {test_name} in:\n{text}"
+    return match.group(1)
+
+
+@pytest.fixture
+def package(default_project: Path, monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.syspath_prepend(str(default_project / "src"))
+    return lambda name: importlib.import_module(f"{DEFAULT_PACKAGE}.testing.{name}")
+
+
+PASSING = f"""
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from {DEFAULT_PACKAGE}.models import (
+    DynamicNet, MeanGatedNet, PerSampleNet, RecursiveNet, forward_with_condition,
+)
+
+
+def test_dynamic_net_loop_length_depends_on_data(autograd_determinism):
+    model = DynamicNet(tolerance=0.3)
+    x = torch.randn(8, 16) * 4
+    result = autograd_determinism(model, x, runs=3)
+    assert set(result.parameter_grads) == {{name for name, _ in model.named_parameters()}}
+    assert all(p.grad is None for p in model.parameters())  # .grad is left alone
+
+
+def test_recursion(autograd_determinism):
+    autograd_determinism(RecursiveNet(), torch.randn(4, 5, 8))
+
+
+def test_data_dependent_branches(autograd_determinism):
+    autograd_determinism(PerSampleNet(), torch.randn(6, 8))
+    autograd_determinism(MeanGatedNet(), torch.randn(6, 8))
+    result = autograd_determinism(forward_with_condition, torch.randn(5), threshold=0.0)
+    assert set(result.input_grads) == {{"input 0"}}  # no parameters: inputs are differentiated
+
+
+def test_seeded_dropout(autograd_determinism):
+    model = nn.Sequential(nn.Linear(8, 32), nn.Dropout(0.5), nn.Linear(32, 2)).train()
+    autograd_determinism(model, torch.randn(16, 8), runs=4)
+
+
+def test_noise_from_global_rngs(autograd_determinism):
+    layer = nn.Linear(8, 8)
+
+    def noisy(x):
+        h = layer(x) + 0.1 * torch.randn(4, 8) + random.random()
+        while h.abs().max() > 1:  # loop length set by the noise
+            h = h * 0.5
+        return h
+
+    autograd_determinism(noisy, torch.randn(4, 8))
+
+
+def test_tuple_dict_and_nested_outputs(autograd_determinism):
+    class Heads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = nn.Linear(4, 4)
+
+        def forward(self, x, scale=1.0):
+            h = self.body(x) * scale
+            return {{"logits": h, "parts": (h.sum(1), [h.mean(), h.argmax(1)]), "steps": 3}}
+
+    result = autograd_determinism(Heads(), torch.randn(3, 4), scale=2.0)
+    assert set(result.outputs) == {{"logits", "parts", "steps"}}
+    assert result.outputs["parts"][1][1].dtype == torch.int64
+    assert not result.outputs["logits"].requires_grad
+
+
+def test_batchnorm_in_training_mode(autograd_determinism):
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU()).train()
+    start = {{name: value.clone() for name, value in model.state_dict().items()}}
+    result = autograd_determinism(model, torch.randn(16, 4))
+    assert "1.running_mean" in result.buffers  # updated by the run, compared across runs
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, start[name]), name
+
+
+def test_model_and_inputs_are_left_unchanged(autograd_determinism):
+    class InPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.scale = nn.Linear(3, 3)
+
+        def forward(self, x):
+            x.mul_(2)  # modifies its input
+            return self.scale(x)
+
+    model, x = InPlace(), torch.randn(2, 3)
+    x_before = x.clone()
+    rng_before = torch.get_rng_state()
+    autograd_determinism(model, x)
+    assert torch.equal(x, x_before)
+    assert torch.equal(torch.get_rng_state(), rng_before)
+
+
+def test_fixture_turns_on_deterministic_settings(autograd_determinism):
+    assert torch.are_deterministic_algorithms_enabled()
+    assert not torch.is_deterministic_algorithms_warn_only_enabled()
+    assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
+    assert torch.initial_seed() == 0
+"""
+
+
+def test_reproducible_models_pass(plugin_pytester: pytest.Pytester) -> None:
+    result = run_session(plugin_pytester, PASSING)
+    result.assert_outcomes(passed=9)
+
+
+FAILING = """
+import time
+
+import pytest
+import torch
+from torch import nn
+
+
+def test_generator_seeded_from_the_os(autograd_determinism):
+    layer = nn.Linear(4, 4)
+
+    def forward(x):
+        generator = torch.Generator()
+        generator.seed()
+        return layer(x + torch.randn(x.shape, generator=generator))  # LINE-OS
+
+    autograd_determinism(forward, torch.randn(2, 4))
+
+
+def test_branch_on_entropy(autograd_determinism):
+    layer = nn.Linear(4, 4)
+
+    def forward(x):
+        generator = torch.Generator()
+        generator.seed()
+        h = layer(x) + torch.rand((), generator=generator) - 0.5
+        if h.mean() > 0:  # LINE-BRANCH
+            return torch.relu(h)
+        return torch.tanh(h)
+
+    autograd_determinism(forward, torch.randn(2, 4), runs=12)
+
+
+def test_branch_on_the_clock(autograd_determinism):
+    def forward(x):
+        if time.perf_counter_ns() % 2:
+            return x.sin()  # LINE-SIN
+        return x.cos()  # LINE-COS
+
+    autograd_determinism(forward, torch.randn(5), runs=12)
+
+
+class NoisyBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 2
+
+    @staticmethod
+    def backward(ctx, grad):
+        generator = torch.Generator()
+        generator.seed()
+        return grad * 2 + 1e-3 * torch.randn(grad.shape, generator=generator)  # LINE-NOISE
+
+
+def test_noise_in_a_custom_backward(autograd_determinism):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x):
+            return self.head(NoisyBackward.apply(self.encoder(x)))
+
+    autograd_determinism(Net(), torch.randn(3, 4))
+
+
+def test_noise_reaching_one_parameter(autograd_determinism):
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.encoder = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+            self.head = nn.Linear(4, 2)
+
+        def forward(self, x):
+            weight = NoisyBackward.apply(self.encoder[1].weight) / 2
+            h = nn.functional.linear(self.encoder[0](x), weight, self.encoder[1].bias)
+            return self.head(h)
+
+    autograd_determinism(Net(), torch.randn(3, 4))
+
+
+def test_op_without_deterministic_implementation(autograd_determinism):
+    def forward(x):
+        pooled, indices = nn.functional.max_pool1d(x, 2, return_indices=True)
+        return nn.functional.max_unpool1d(pooled, indices, 2)  # LINE-UNPOOL
+
+    autograd_determinism(forward, torch.randn(1, 1, 4))
+
+
+class PutBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        flat = torch.zeros(grad.numel())
+        flat.put_(torch.arange(grad.numel()), grad.reshape(-1))  # LINE-PUT
+        return flat.view_as(grad)
+
+
+def test_op_without_deterministic_backward(autograd_determinism):
+    layer = nn.Linear(4, 4)
+    autograd_determinism(lambda x: PutBackward.apply(layer(x)), torch.randn(2, 4))
+"""
+
+
+def line_of(source: str, marker: str) -> int:
+    """The line number of ``# marker`` in the file pytester writes (leading blank lines go)."""
+    lines = source.lstrip("\n").splitlines()
+    return next(n for n, line in enumerate(lines, 1) if f"# {marker}" in line)
+
+
+_failing_runs: list[pytest.RunResult] = []
+
+
+@pytest.fixture
+def failing(plugin_pytester: pytest.Pytester) -> pytest.RunResult:
+    """The session of failing cases, run once and read by every test below."""
+    if not _failing_runs:
+        result = run_session(plugin_pytester, FAILING)
+        result.assert_outcomes(failed=7)
+        _failing_runs.append(result)
+    return _failing_runs[0]
+
+
+def test_generator_seeded_from_the_os_fails(failing: pytest.RunResult) -> None:
+    text = failure_section(failing, "test_generator_seeded_from_the_os")
+    assert "DeterminismError: Run 2 of 3 differs from run 1" in text
+    assert "output: 8 of 8 elements differ, largest absolute difference" in text
+    assert (
+        f"first differing op: #1 aten.randn.generator (forward at test_session.py:"
+        f"{line_of(FAILING, 'LINE-OS')})" in text
+    )
+    assert "an explicit torch.Generator" in text
+
+
+def test_branch_on_entropy_names_the_decision(failing: pytest.RunResult) -> None:
+    text = failure_section(failing, "test_branch_on_entropy")
+    line = line_of(FAILING, "LINE-BRANCH")
+    assert f"run 2 took a different branch at decision #1 (test_session.py:{line})" in text
+    assert f"Tensor.__bool__ -> True at test_session.py:{line}" in text
+    assert f"Tensor.__bool__ -> False at test_session.py:{line}" in text
+    assert re.search(r"first differing op: #\d+ aten.rand.generator", text)
+
+
+def test_branch_on_the_clock_names_the_diverging_ops(failing: pytest.RunResult) -> None:
+    text = failure_section(failing, "test_branch_on_the_clock")
+    assert "the runs stop doing the same ops at op #1" in text
+    assert f"test_session.py:{line_of(FAILING, 'LINE-SIN')}" in text
+    assert f"test_session.py:{line_of(FAILING, 'LINE-COS')}" in text
+    assert "decided by something outside torch's ops" in text
+
+
+def test_noise_in_a_custom_backward_is_found_in_the_gradients(failing: pytest.RunResult) -> None:
+    text = failure_section(failing, "test_noise_in_a_custom_backward")
+    first = re.search(r"differs from run 1 .*?:\nE\s+(.*)\n", text).group(1)
+    assert first.startswith("grad of encoder.weight: 16 of 16 elements differ"), first
+    assert "also differ: grad of encoder.bias" in text
+    assert "output" not in text.split("Localized")[0]  # the outputs agreed
+    assert (
+        f"aten.randn.generator (backward (NoisyBackwardBackward) at test_session.py:"
+        f"{line_of(FAILING, 'LINE-NOISE')})" in text
+    )
+
+
+def test_noise_reaching_one_parameter_names_it(failing: pytest.RunResult) -> None:
+    text = failure_section(failing, "test_noise_reaching_one_parameter")
+    assert "grad of encoder.1.weight: 16 of 16 elements differ" in text
+    assert "also differ" not in text
+    for other in ("encoder.0.weight", "encoder.1.bias", "head.weight"):
+        assert other not in text
+
+
+def test_op_without_deterministic_implementation_is_reported(failing: pytest.RunResult) -> None:
+    text = failure_section(failing, "test_op_without_deterministic_implementation")
+    assert (
+        "NondeterministicOpError: max_unpooling2d_forward_out has no deterministic "
+        "implementation on this device" in text
+    )
+    assert f"where: forward at test_session.py:{line_of(FAILING, 'LINE-UNPOOL')}" in text
+    assert "warn_only=True" in text
+    assert "on the CPU" in text
+    assert "The above exception was the direct cause" not in text
+
+
+def test_op_without_deterministic_backward_is_reported(failing: pytest.RunResult) -> None:
+    text = failure_section(failing, "test_op_without_deterministic_backward")
+    assert "NondeterministicOpError: put_ has no deterministic implementation" in text
+    assert (
+        f"where: backward (PutBackwardBackward) at test_session.py:{line_of(FAILING, 'LINE-PUT')}"
+        in text
+    )
+
+
+ISOLATION = """
+import random
+
+import numpy as np
+import torch
+
+BEFORE = {}
+
+
+def state():
+    return (
+        torch.are_deterministic_algorithms_enabled(),
+        torch.is_deterministic_algorithms_warn_only_enabled(),
+        torch.backends.cudnn.deterministic,
+        torch.backends.cudnn.benchmark,
+        torch.initial_seed(),
+        torch.get_rng_state(),
+        random.getstate(),
+        np.random.get_state()[1].tobytes(),
+    )
+
+
+def same(a, b):
+    return all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b)
+    )
+
+
+def test_1_record_state():
+    BEFORE["state"] = state()
+
+
+def test_2_fails(autograd_determinism):
+    assert torch.are_deterministic_algorithms_enabled()
+    assert torch.initial_seed() == 0
+    generator = torch.Generator()
+    generator.seed()
+    autograd_determinism(lambda x: x + torch.rand(3, generator=generator), torch.zeros(3))
+
+
+def test_3_sees_the_state_from_before():
+    assert same(state(), BEFORE["state"])
+"""
+
+
+def test_state_after_a_failing_test_is_as_before(plugin_pytester: pytest.Pytester) -> None:
+    result = run_session(plugin_pytester, ISOLATION)
+    result.assert_outcomes(passed=2, failed=1)
+
+
+CROSS_PROCESS = """
+import torch
+from torch import nn
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.tanh(self.layer(x))
+
+
+class SaltedByProcess(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+
+    def forward(self, x):
+        # str hashes are salted per process (PYTHONHASHSEED): same in one process only.
+        return self.layer(x) + hash("salt") % 1000
+
+
+def test_cross_process_passes(autograd_determinism):
+    autograd_determinism(Model(), torch.randn(2, 4), cross_process=True)
+
+
+def test_cross_process_difference(autograd_determinism):
+    autograd_determinism(SaltedByProcess(), torch.randn(2, 4), cross_process=True)
+
+
+def test_cross_process_needs_picklable_models(autograd_determinism):
+    layer = nn.Linear(4, 4)
+    autograd_determinism(lambda x: layer(x), torch.randn(2, 4), cross_process=True)
+"""
+
+
+def test_cross_process_run(plugin_pytester: pytest.Pytester, monkeypatch) -> None:
+    monkeypatch.delenv("PYTHONHASHSEED", raising=False)
+    result = run_session(plugin_pytester, CROSS_PROCESS)
+    result.assert_outcomes(passed=1, failed=2)
+    text = failure_section(result, "test_cross_process_difference")
+    assert "Run 3 of 3 (in a fresh process) differs from run 1" in text
+    assert "the difference shows only across processes" in text
+    text = failure_section(result, "test_cross_process_needs_picklable_models")
+    assert "TypeError: cross_process=True sends the model or function" in text
+    assert "module level" in text
+
+
+BAD_ARGUMENTS = """
+import pytest
+import torch
+
+
+@pytest.mark.parametrize("runs", [1, 2.5, True])
+def test_runs(autograd_determinism, runs):
+    with pytest.raises(ValueError, match=f"runs must be an integer >= 2 .*got {runs!r}"):
+        autograd_determinism(torch.sin, torch.ones(2), runs=runs)
+
+
+def test_not_callable(autograd_determinism):
+    with pytest.raises(TypeError, match="must be an nn.Module or a callable, got int"):
+        autograd_determinism(3, torch.ones(2))
+"""
+
+
+def test_bad_arguments_are_named(plugin_pytester: pytest.Pytester) -> None:
+    run_session(plugin_pytester, BAD_ARGUMENTS).assert_outcomes(passed=4)
+
+
+# --- plain helpers -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("version", "cuda_built", "initialized", "configured", "action"),
+    [
+        ("2.13.0", True, False, None, None),  # torch >= 2.10 does not check it
+        ("2.10.0+cu126", True, True, None, None),
+        ("2.9.1+cu128", True, False, None, "set"),
+        ("2.9.1+cu128", True, True, None, "too late"),
+        ("2.9.1+cu128", True, True, ":16:8", None),
+        ("2.9.1+cu128", True, True, ":4096:2", "too late"),
+        ("2.9.1+cpu", False, False, None, None),
+    ],
+)
+def test_cublas_workspace_action(package, version, cuda_built, initialized, configured, action):
+    determinism = package("determinism")
+    assert determinism.cublas_workspace_action(version, cuda_built, initialized, configured) == (
+        action
+    )
+
+
+def test_bitwise_equal_keeps_nan_and_signed_zero_apart(package) -> None:
+    determinism = package("determinism")
+    nan = torch.tensor([float("nan"), 1.0])
+    assert determinism.bitwise_equal(nan, nan.clone())
+    assert not torch.equal(nan, nan.clone())  # why a plain comparison would not do
+    assert not determinism.bitwise_equal(torch.tensor([0.0]), torch.tensor([-0.0]))
+    assert not determinism.bitwise_equal(torch.ones(2), torch.ones(2, dtype=torch.float64))
+    assert determinism.bitwise_equal(torch.ones(2, 3).t(), torch.ones(3, 2))
+    assert determinism.bitwise_equal(torch.ones(2, dtype=torch.complex64), torch.ones(2) + 0j)
+    assert determinism.bitwise_equal(torch.ones(2, dtype=torch.bfloat16), torch.ones(2).bfloat16())
+
+
+def test_describe_tensor_difference(package) -> None:
+    determinism = package("determinism")
+    a = torch.tensor([[1.0, 2.0], [3.0, float("nan")]])
+    b = torch.tensor([[1.0, 2.5], [-3.0, 4.0]])
+    assert determinism.describe_tensor_difference("grad of w", a, b, 3) == (
+        "grad of w: 3 of 4 elements differ, largest absolute difference 6, "
+        "1 NaN in one run only (first at [0, 1]: 2 in run 1, 2.5 in run 3)"
+    )
+    zero = determinism.describe_tensor_difference("output", torch.zeros(2), -torch.zeros(2), 2)
+    assert "equal values with different bits (0.0 and -0.0)" in zero
+
+
+def test_decisions_and_their_divergence(package) -> None:
+    control_flow = package("control_flow")
+
+    def forward(x):
+        if x.sum() > 0:  # decision 1
+            return int(x.argmax()) + x[0].item()
+        return len(x.tolist())
+
+    with control_flow.record_decisions() as positive:
+        forward(torch.tensor([1.0, 2.0]))
+    with control_flow.record_decisions() as negative:
+        forward(torch.tensor([-1.0, -2.0]))
+    here = Path(__file__).name
+    assert [(d.op, d.value) for d in positive] == [
+        ("Tensor.__bool__", True),
+        ("Tensor.__int__", 1),
+        ("Tensor.item", 1.0),
+    ]
+    assert [d.op for d in negative] == ["Tensor.__bool__", "Tensor.tolist"]
+    assert positive[0].location.endswith(f"{here}:{forward.__code__.co_firstlineno + 1}")
+    k, first, second = control_flow.first_divergence(positive, negative)
+    assert (k, first.value, second.value) == (1, True, False)
+    assert control_flow.first_divergence(positive, positive) is None
+    assert control_flow.describe_divergence((k, first, second)).startswith(
+        f"run 2 took a different branch at decision #1 ({first.location})"
+    )
