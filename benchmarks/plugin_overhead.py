@@ -55,24 +55,15 @@ def test_trivial(n):
     assert n + 1 > n
 """
 
-LAZY_INIT = '''"""Dynamic PyTorch models (imported on first use)."""
+LAZY_INIT = '''"""Dynamic PyTorch models (the models module is imported on first use)."""
 
 import importlib
 
-__all__ = [
-    "DynamicNet",
-    "MeanGatedNet",
-    "PerSampleNet",
-    "RecursiveNet",
-    "conditional_model",
-    "forward_with_condition",
-]
-
 
 def __getattr__(name):
-    if name in __all__:
-        return getattr(importlib.import_module(".models", __name__), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name.startswith("__"):
+        raise AttributeError(name)
+    return getattr(importlib.import_module(".models", __name__), name)
 '''
 
 
