@@ -199,11 +199,9 @@ def gradcheck(
                 if not avoid_boundaries:
                     raise
                 if moved == JITTER_ATTEMPTS:
-                    raise type(failure)(
-                        f"{failure}\n(still so after moving the point {moved} times with "
-                        f"avoid_boundaries=True)",
-                        **_failure_fields(failure),
-                    ) from None
+                    note = f"(still so after moving the point {moved} times: avoid_boundaries=True)"
+                    failure.args = (f"{failure}\n{note}",)
+                    raise
                 moved += 1
                 problem.jitter(moved)
         return GradcheckResult(
@@ -248,18 +246,6 @@ def _is_name_list(value: Any) -> bool:
     if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
         return False
     return all(isinstance(item, str) for item in value)
-
-
-def _failure_fields(failure: GradcheckFailure) -> dict[str, Any]:
-    if isinstance(failure, BranchBoundary):
-        return {"tensor": failure.tensor, "index": failure.index, "decision": failure.decision}
-    assert isinstance(failure, NonDifferentiablePoint)
-    return {
-        "tensor": failure.tensor,
-        "index": failure.index,
-        "left": failure.left,
-        "right": failure.right,
-    }
 
 
 def _mode_text(fast: bool, reason: str) -> str:
@@ -442,9 +428,9 @@ class _Problem:
         return self._floating_outputs(output)
 
     def _floating_outputs(self, output: Any) -> tuple[torch.Tensor, ...]:
-        if self.output_names is not None and type(output) is torch.Tensor:
-            if output.is_floating_point():
-                return (output,)
+        single = type(output) is torch.Tensor and output.is_floating_point()
+        if single and self.output_names is not None:
+            return (output,)
         if isinstance(output, torch.Tensor):
             items = [((), output)]
         else:
@@ -782,6 +768,8 @@ class _Diagnosis:
         return self._flat(outputs).detach(), log
 
     def failure(self) -> GradcheckFailure:
+        if not any(self.included):
+            return GradcheckFailure(self._detached())
         hint = _MISMATCH.search(self.torch_message)
         first = int(hint.group(2)) if hint else 0
         count = len(self.problem.checked)
@@ -1052,6 +1040,16 @@ class _Diagnosis:
             index=first.checked.index(first.element),
             left=left,
             right=right,
+        )
+
+    def _detached(self) -> str:
+        names = ", ".join(self.problem.output_names or [])
+        return (
+            f"wrong first-order gradient of {self.problem.description}: autograd connects none "
+            f"of its floating-point outputs ({names}) to the checked tensors, so their analytical "
+            f"gradient is 0, yet the outputs change when the checked tensors do: the forward "
+            f"detaches them (.detach(), .data, torch.no_grad(), a Python number or NumPy in "
+            f"between)\n{self._footer()}"
         )
 
     def _unexplained(self) -> str:
