@@ -109,22 +109,21 @@ def check_torch_version(value):
     return None
 
 
+def listed_for_torch(table, value, allowed):
+    """None if ``value`` is in the chosen torch's row of ``table``, else what is ``allowed``."""
+    torch = ANSWERS.get("torch_version")
+    row = COMPATIBILITY[table].get(torch)
+    if row is None or value in row:
+        return None  # an unknown torch version is reported under torch_version
+    return f"{allowed.format(torch=torch)}: {', '.join(row)}"
+
+
 def check_cuda_version(value):
-    builds = COMPATIBILITY["torch_cuda"].get(ANSWERS.get("torch_version"))
-    if builds is None:
-        return None  # reported under torch_version
-    if value not in builds:
-        return f"a CUDA version torch {ANSWERS['torch_version']} is built for: {', '.join(builds)}"
-    return None
+    return listed_for_torch("torch_cuda", value, "a CUDA version torch {torch} is built for")
 
 
 def check_python_version(value):
-    versions = COMPATIBILITY["torch_python"].get(ANSWERS.get("torch_version"))
-    if versions is None:
-        return None  # reported under torch_version
-    if value not in versions:
-        return f"a Python version torch {ANSWERS['torch_version']} supports: {', '.join(versions)}"
-    return None
+    return listed_for_torch("torch_python", value, "a Python version torch {torch} supports")
 
 
 def port_problem(value):
