@@ -76,13 +76,18 @@ def fake_nvidia_smi(gpus, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
 
 
 FAKE_CUDA_BUILD_CONFTEST = f"""
+import os
+
 import torch
 from {DEFAULT_PACKAGE}.testing import gpus
 
-# A CUDA 13.0 build of torch whose driver facts come from the fake nvidia-smi on PATH.
-# Loaded before the plugin's start-up check; nothing here or there initializes CUDA.
+# A CUDA 13.0 build of torch whose driver facts come from the fake nvidia-smi on PATH
+# (or the file named by FAKE_PROC_DRIVER_VERSION). Loaded before the plugin's start-up
+# check; nothing here or there initializes CUDA.
 torch.version.cuda = "13.0"
-gpus.PROC_DRIVER_VERSION = gpus.Path("/nonexistent/proc/driver/nvidia/version")
+gpus.PROC_DRIVER_VERSION = gpus.Path(
+    os.environ.get("FAKE_PROC_DRIVER_VERSION", "/nonexistent/proc/driver/nvidia/version")
+)
 """
 
 
@@ -438,6 +443,42 @@ def test_workers_keep_the_callers_devices_without_gpu_option(plugin_pytester, mo
         "gw0": f"{UUID_A},{UUID_B}",
         "gw1": f"{UUID_A},{UUID_B}",
     }
+
+
+@pytest.mark.parametrize(
+    ("visible", "expected", "header"),
+    [
+        (
+            "0,1",
+            {"gw0": "0", "gw1": "1"},
+            "  xdist workers (CUDA_VISIBLE_DEVICES): gw0 -> 0, gw1 -> 1",
+        ),
+        (
+            None,
+            {"gw0": "<unset>", "gw1": "<unset>"},
+            "  xdist workers: GPUs unknown (no nvidia-smi)*",
+        ),
+    ],
+)
+def test_workers_without_nvidia_smi(
+    plugin_pytester, tmp_path, monkeypatch, visible, expected, header
+):
+    proc_version = tmp_path / "proc-driver-version"
+    proc_version.write_text("NVRM version: NVIDIA UNIX x86_64 Kernel Module  580.65.06  Jul 2025\n")
+    monkeypatch.setenv("FAKE_PROC_DRIVER_VERSION", str(proc_version))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty-bin"))  # no nvidia-smi
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    plugin_pytester.makeconftest(FAKE_CUDA_BUILD_CONFTEST)
+    plugin_pytester.makepyfile(RECORD_WORKER_ENV)
+    result = plugin_pytester.runpytest_subprocess("-p", PLUGIN_MODULE, "--gpu", "-n", "2")
+    result.assert_outcomes(passed=8)
+    assert recorded_worker_env(plugin_pytester) == expected
+    result.stdout.fnmatch_lines(
+        ["GPU tests: on; torch *, CUDA runtime 13.0, NVIDIA driver 580.65.06, cuDNN *", header]
+    )
 
 
 @pytest.mark.parametrize(("uuids", "workers"), [((UUID_A, UUID_B, UUID_C), 3), ((UUID_A,), 1)])
