@@ -44,6 +44,7 @@ BASE_FILES = frozenset(
         "src/{package}/testing/gradcheck.py",
         "src/{package}/testing/plugin.py",
         "src/{package}/train.py",
+        "tests/test_commands.py",
         "tests/test_determinism.py",
         "tests/test_gpu.py",
         "tests/test_gradients.py",

@@ -92,7 +92,8 @@ def test_file_set_is_exactly_the_expected_one(baked):
     files = set(all_files(project))
     expected = expected_files(answers)
     assert files == expected, (
-        f"unexpected: {sorted(files - expected)}; missing: {sorted(expected - files)}"
+        f"generated but not listed in tests/expected_files.py: {sorted(files - expected)}; "
+        f"listed there but not generated: {sorted(expected - files)}"
     )
 
 
