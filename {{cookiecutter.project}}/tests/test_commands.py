@@ -1,0 +1,78 @@
+"""The project's commands, run as a user runs them: ``python -m {{ cookiecutter.package }}.doctor``
+and ``python -m {{ cookiecutter.package }}.train`` in a fresh process.
+
+The GPU tests run with ``pytest --gpu``; each subprocess inherits this test process's
+``CUDA_VISIBLE_DEVICES``, so under ``-n auto`` it uses this worker's GPU.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+SMALL = ("--samples", "512", "--batch-size", "32")
+# The dev container's services are not what these tests are about.
+SERVICES = ("PROJECT_SSH_PORT", "PROJECT_JUPYTER_PORT")
+
+
+def run(command: str, *args: str) -> subprocess.CompletedProcess:
+    env = {name: value for name, value in os.environ.items() if name not in SERVICES}
+    return subprocess.run(
+        [sys.executable, "-m", f"{{ cookiecutter.package }}.{command}", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+
+
+def failures(doctor: subprocess.CompletedProcess) -> list[dict]:
+    return [check for check in json.loads(doctor.stdout)["checks"] if check["status"] == "FAIL"]
+
+
+def assert_resume_is_bitwise_equal(device: str, tmp_path) -> None:
+    """Two epochs in one run, and one epoch then ``--resume`` to two: the same weights."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    for args in (
+        ("--epochs", "2", "--checkpoint-dir", str(whole)),
+        ("--epochs", "1", "--checkpoint-dir", str(split)),
+        ("--epochs", "2", "--checkpoint-dir", str(split), "--resume"),
+    ):
+        result = run("train", "--device", device, *SMALL, *args)
+        assert result.returncode == 0, result.stderr
+    expected, actual = (
+        torch.load(directory / "latest.pt", weights_only=True)["model"]
+        for directory in (whole, split)
+    )
+    for name, tensor in expected.items():
+        assert torch.equal(actual[name], tensor), f"{name} differs after --resume on {device}"
+
+
+def test_doctor_finds_nothing_wrong():
+    doctor = run("doctor", "--json")
+    assert doctor.returncode == 0, failures(doctor)
+
+
+def test_train_resumes_bit_for_bit_on_the_cpu(tmp_path):
+    assert_resume_is_bitwise_equal("cpu", tmp_path)
+
+
+def test_train_rejects_a_bad_flag():
+    result = run("train", "--epochs", "0")
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1].endswith(
+        "error: argument --epochs: must be a positive integer, got '0'"
+    )
+
+
+def test_doctor_with_require_gpu(gpu):
+    doctor = run("doctor", "--json", "--require-gpu")
+    assert doctor.returncode == 0, failures(doctor)
+    names = [check["check"] for check in json.loads(doctor.stdout)["checks"]]
+    assert "autograd cuda:0" in names
+
+
+def test_train_resumes_bit_for_bit_on_the_gpu(gpu, tmp_path):
+    assert_resume_is_bitwise_equal("cuda", tmp_path)
