@@ -59,6 +59,9 @@ JITTER_SCALE = 1e-3
 JITTER_ATTEMPTS = 3
 
 _BISECTION_BLOCK = 16
+# Once boundaries or kinks explain the failure, the remaining tensors are examined for
+# wrong gradients only until the diagnosis has cost this many evaluations.
+_DIAGNOSIS_EVALUATIONS = 2 * FAST_MODE_ABOVE
 _ANALYTICAL_ENTRIES_LIMIT = 1 << 23
 
 __all__ = [
@@ -688,6 +691,7 @@ class _Diagnosis:
         self.torch_message = torch_message
         self.eps, self.atol, self.rtol = check.eps, check.atol, check.rtol
         self.generator = torch.Generator().manual_seed(EVALUATION_SEED + 1)
+        self.evaluations = 0
         self.point = [c.value for c in self.problem.checked]
         self.weights: list[torch.Tensor] = []
         values = [v.detach().requires_grad_() for v in self.point]
@@ -761,6 +765,7 @@ class _Diagnosis:
         return flat if self.rows is None else self.rows @ flat
 
     def _evaluate(self, index: int, step: torch.Tensor) -> tuple[torch.Tensor, DecisionLog]:
+        self.evaluations += 1
         values = [v.detach().requires_grad_(self.order == 2) for v in self.point]
         values[index] = (self.point[index] + step).requires_grad_(self.order == 2)
         with record_decisions() as log:
@@ -776,6 +781,8 @@ class _Diagnosis:
         order = [first] + [i for i in range(count) if i != first] if first < count else range(count)
         explained: list[_Finding] = []
         for index in order:
+            if explained and self.evaluations > _DIAGNOSIS_EVALUATIONS:
+                break  # the point is on a boundary or kink: enough to say so
             findings = self._examine(index)
             wrong = [f for f in findings if f.kind == "wrong"]
             if wrong:
