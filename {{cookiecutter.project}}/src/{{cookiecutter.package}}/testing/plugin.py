@@ -52,6 +52,7 @@ class TorchTestingPlugin:
     def __init__(self) -> None:
         self.gpu_enabled = False
         self.distributed = False
+        self.in_worker = False
         self.visible: list[str] = []
         self.worker_devices: list[str] = []
         self.gpu_infos: list[gpus.GpuInfo] = []
@@ -91,7 +92,8 @@ class TorchTestingPlugin:
             "it is still restored after the test, but not reported",
         )
         self.gpu_enabled = config.getoption("gpu")
-        if not self.gpu_enabled or hasattr(config, "workerinput"):
+        self.in_worker = hasattr(config, "workerinput")
+        if not self.gpu_enabled or self.in_worker:
             return  # xdist workers check CUDA at their first GPU test
         self.distributed = config.getoption("dist", "no") != "no" and bool(
             config.getoption("tx", None)
@@ -134,10 +136,10 @@ class TorchTestingPlugin:
         needed = gpus_needed(item)
         visible = torch.cuda.device_count()
         if visible < needed:
+            hint = "; each xdist worker has one GPU: run it without -n" if self.in_worker else ""
             pytest.skip(
                 f"needs {needed} GPUs, {visible} visible to this test process "
-                f"({VISIBLE_DEVICES}={os.environ.get(VISIBLE_DEVICES, '<unset>')}); "
-                "under pytest-xdist each worker has one GPU: run it without -n"
+                f"({VISIBLE_DEVICES}={os.environ.get(VISIBLE_DEVICES, '<unset>')}){hint}"
             )
 
     @pytest.fixture
