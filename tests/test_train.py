@@ -371,7 +371,7 @@ def test_torchrun_two_processes_on_cpu(default_project: Path, tmp_path: Path) ->
     whole, split = tmp_path / "whole", tmp_path / "split"
     result = torchrun(default_project, *args, "--epochs", "2", "--checkpoint-dir", str(whole))
     assert result.returncode == 0, result.stderr
-    assert result.stdout.startswith("trained 2 epochs on 2 processes on cpu: loss ")
+    assert result.stdout.startswith("trained 2 epochs on 2 processes on cpu (gloo): loss ")
     progress = [line for line in result.stderr.splitlines() if line.startswith("epoch ")]
     assert [line.split()[1] for line in progress] == ["1/2", "2/2"]  # rank 0 only
     assert "8/8" in progress[0]  # 512 samples in 2 shares of 256: 8 steps of 32

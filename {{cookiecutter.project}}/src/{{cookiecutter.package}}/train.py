@@ -438,10 +438,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{config.checkpoint} has already trained {resumed['epoch']} epochs; nothing to do"
             )
         return 0
+    backend = "nccl" if device.type == "cuda" else "gloo"
     if launch.torchrun:
         if device.type == "cuda":
             torch.cuda.set_device(device)
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        dist.init_process_group(backend)
     try:
         loss = train(config, launch, device, resumed)
     except KeyboardInterrupt:
@@ -453,9 +454,9 @@ def main(argv: list[str] | None = None) -> int:
         if launch.torchrun:
             dist.destroy_process_group()
     if launch.rank == 0:
-        where = (
-            f"{launch.world_size} processes on {device.type}" if launch.torchrun else str(device)
-        )
+        where = str(device)
+        if launch.torchrun:
+            where = f"{launch.world_size} processes on {device.type} ({backend})"
         saved = f", checkpoint {config.checkpoint}" if config.checkpoint else ""
         print(f"trained {config.epochs} epochs on {where}: loss {loss:.4f}{saved}")
     return 0
