@@ -122,16 +122,16 @@ def compare_with_direct(gradcheck, repeats: int) -> bool:
 def fast_mode_growth(gradcheck, repeats: int) -> None:
     import torch
 
-    print("\nfast mode by model size (one float64 forward+backward pass = 'pass')")
+    print("\nfast mode by model size, CPU seconds (one float64 forward+backward = 'pass')")
     print(f"{'parameters':>12}{'pass s':>10}{'direct s':>10}{'fixture s':>11}{'passes':>8}")
     for parameters in SIZES:
         model = mlp(parameters)
         x = torch.randn(16, 16, requires_grad=True)
         double = copy.deepcopy(model).double()
         x64 = x.detach().double().requires_grad_()
-        one_pass, _ = best(lambda: double(x64).sum().backward(), repeats)  # noqa: B023
-        direct, _ = best(lambda: direct_check(model, x, fast=True), repeats)  # noqa: B023
-        check, _ = best(lambda: gradcheck(model, x, fast=True), repeats)  # noqa: B023
+        _, one_pass = best(lambda: double(x64).sum().backward(), repeats)  # noqa: B023
+        _, direct = best(lambda: direct_check(model, x, fast=True), repeats)  # noqa: B023
+        _, check = best(lambda: gradcheck(model, x, fast=True), repeats)  # noqa: B023
         count = sum(p.numel() for p in model.parameters())
         print(f"{count:>12,}{one_pass:>10.4f}{direct:>10.4f}{check:>11.4f}{check / one_pass:>8.1f}")
 
