@@ -57,6 +57,7 @@ GOOD_ANSWERS = [
     {"package": "my_pkg2"},
     {"description": PYTHON_PAYLOAD},
     {"description": "Modèles dynamiques — 动态图 (50% {faster})"},
+    {"description": r"C:\temp\new \u0041 \\ \" '''q'''"},
     {"author": "张三"},
     {"email": "first.last+tag@sub.example.co.uk"},
     {"ssh_port": "1024", "jupyter_port": "65535"},
