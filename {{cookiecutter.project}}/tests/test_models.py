@@ -52,8 +52,12 @@ def test_forward_with_condition_takes_branch_by_mean(threshold, power):
     torch.testing.assert_close(x.grad, expected)
 
 
-@pytest.mark.parametrize(("bias", "activation"), [(5.0, torch.relu), (-5.0, torch.tanh)])
-def test_mean_gated_net_picks_activation_by_sign(bias, activation):
+@pytest.mark.parametrize(
+    ("bias", "activation", "slope"),
+    [(0.5, torch.relu, 1.0), (-0.5, torch.tanh, 1 - torch.tanh(torch.tensor(-0.5)).item() ** 2)],
+    ids=["relu-branch", "tanh-branch"],
+)
+def test_mean_gated_net_picks_activation_by_sign(bias, activation, slope):
     model = MeanGatedNet(4, 4)
     with torch.no_grad():
         model.linear.weight.zero_()
@@ -62,7 +66,8 @@ def test_mean_gated_net_picks_activation_by_sign(bias, activation):
     out = model(x)
     torch.testing.assert_close(out, activation(torch.full((3, 4), bias)))
     out.sum().backward()
-    assert model.linear.bias.grad is not None
+    # Each of the 3 rows contributes the slope of the branch taken to every bias.
+    torch.testing.assert_close(model.linear.bias.grad, torch.full((4,), 3 * slope))
 
 
 def test_per_sample_net_branches_per_row_and_keeps_input_intact():
@@ -87,8 +92,9 @@ def test_dynamic_net_loop_count_depends_on_data():
     model.block.register_forward_hook(lambda *_: calls.append(1))
     with torch.no_grad():
         model.encoder.bias.zero_()
-    model(torch.zeros(2, 4))  # tanh(0) = 0 is already below the tolerance
+    model(torch.zeros(2, 4)).sum().backward()  # tanh(0) = 0 is already below the tolerance
     assert len(calls) == 0
+    assert model.block[0].weight.grad is None  # the block was not in this graph
     with torch.no_grad():
         model.encoder.weight.fill_(10.0)
     out = model(torch.ones(2, 4))  # saturated activations never drop below it
