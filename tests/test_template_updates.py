@@ -59,7 +59,12 @@ def change_template(clone: Path) -> None:
 
 
 def assert_update_arrives(project: Path, clone: Path) -> None:
+    """A template change reaches the project, and the user's own change stays."""
     commit_all(project, "project as generated")
+    readme = project / "README.md"
+    title, rest = readme.read_text().split("\n", 1)
+    readme.write_text(f"{title}\n\nOur notes: train on the cluster.\n{rest}")
+    commit_all(project, "the user's own change")
     change_template(clone)
     check = subprocess.run(
         [CRUFT, "check", "--project-dir", project], capture_output=True, text=True, check=False
@@ -68,7 +73,8 @@ def assert_update_arrives(project: Path, clone: Path) -> None:
 
     run(CRUFT, "update", "--skip-apply-ask", "--project-dir", project, cwd=project)
 
-    assert (project / "README.md").read_text().endswith("\nImproved by the template.\n")
+    assert readme.read_text().endswith("\nImproved by the template.\n")
+    assert "\nOur notes: train on the cluster.\n" in readme.read_text()
     assert (project / "CHANGES.md").read_text() == f"# Changes of {project.name}\n"
     run(CRUFT, "check", "--project-dir", project, cwd=project)
 
