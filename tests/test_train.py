@@ -336,14 +336,24 @@ def test_resume_with_other_data_is_refused(train_module, capsys, finished_run: P
     )
 
 
-def test_resume_with_another_batch_size_warns(default_project: Path, finished_run: Path) -> None:
-    args = ("--device", "cpu", "--samples", "1024", "--batch-size", "64", "--epochs", "2")
-    result = train(default_project, *args, "--checkpoint-dir", str(finished_run), "--resume")
-    assert result.returncode == 0, result.stderr
-    assert result.stderr.splitlines()[0] == (
-        f"warning: {finished_run / 'latest.pt'} was trained with batch size 32 and this run "
-        "uses 64: training continues, but not bit for bit as an uninterrupted run would"
+def test_resume_with_another_schedule_warns(default_project: Path, finished_run: Path) -> None:
+    """Another batch size or learning rate is allowed, with a warning, and takes effect."""
+    args = ("--device", "cpu", "--samples", "1024", "--batch-size", "64", "--lr", "0.01")
+    result = train(
+        default_project, *args, "--epochs", "2", "--checkpoint-dir", str(finished_run), "--resume"
     )
+    assert result.returncode == 0, result.stderr
+    latest = finished_run / "latest.pt"
+    assert result.stderr.splitlines()[:2] == [
+        f"warning: {latest} was trained with batch size 32 and this run uses 64: training "
+        "continues, but not bit for bit as an uninterrupted run would",
+        f"warning: {latest} was trained with lr 0.001 and this run uses 0.01: training "
+        "continues, but not bit for bit as an uninterrupted run would",
+    ]
+    assert " 16/16 " in result.stderr.splitlines()[2]  # 1024 samples, 64 a step
+    saved = checkpoint(finished_run)
+    assert saved["optimizer"]["param_groups"][0]["lr"] == 0.01
+    assert saved["run"]["batch_size"] == 64
 
 
 def test_synthetic_data_makes_dynamic_net_skip_its_block_for_some_batches(train_module) -> None:

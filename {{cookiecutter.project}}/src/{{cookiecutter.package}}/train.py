@@ -14,9 +14,10 @@ equal to those of an uninterrupted run with the same settings.
 Under ``torchrun`` every process trains a copy of the model on its share of each
 epoch (DistributedSampler) and DistributedDataParallel averages the gradients:
 NCCL on GPUs, gloo on the CPU. `DynamicNet` skips its residual block for some
-batches, so in those steps the block's parameters get no gradient on that process;
-DDP has to be told (``find_unused_parameters=True``), or it waits forever for those
-gradients, and then fails at the next step.
+batches, so in those steps the block's parameters get no gradient on that process.
+DDP has to be told (``find_unused_parameters=True``): otherwise that step's gradient
+reduction never finishes and the next step fails ("Expected to have finished
+reduction in the prior iteration").
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import math
 import os
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
@@ -81,7 +83,7 @@ class Launch:
     torchrun: bool = False
 
     @classmethod
-    def from_environment(cls, environ: dict[str, str] | os._Environ[str] = os.environ) -> Launch:
+    def from_environment(cls, environ: Mapping[str, str] = os.environ) -> Launch:
         if "RANK" not in environ or "WORLD_SIZE" not in environ:
             return cls()
         world_size = int(environ["WORLD_SIZE"])
@@ -98,7 +100,7 @@ def synthetic_data(samples: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]
     """Inputs and class labels made from ``seed`` alone, the same on every device.
 
     The inputs' magnitudes vary over a factor of about 12, so `DynamicNet` skips its
-    residual block for some batches and runs it every time for others. The labels come
+    residual block for some batches and runs it (up to four times) for others. The labels come
     from a fixed random teacher, so there is something to learn.
     """
     generator = torch.Generator().manual_seed(seed)
@@ -257,6 +259,8 @@ def train(
     if resumed is not None:
         model.load_state_dict(resumed["model"])
         optimizer.load_state_dict(resumed["optimizer"])
+        for group in optimizer.param_groups:  # the saved state carries the old --lr
+            group["lr"] = config.lr
         first_epoch, loss = resumed["epoch"], resumed["loss"]
         if len(resumed["rng"]) == launch.world_size:
             _checkpoint.set_rng_state(resumed["rng"][launch.rank], device)
