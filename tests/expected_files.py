@@ -46,6 +46,7 @@ BASE_FILES = frozenset(
         "src/{package}/train.py",
         "tests/test_commands.py",
         "tests/test_determinism.py",
+        "tests/test_determinism.py",
         "tests/test_gpu.py",
         "tests/test_gradients.py",
         "tests/test_models.py",

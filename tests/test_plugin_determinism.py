@@ -126,6 +126,30 @@ def test_model_and_inputs_are_left_unchanged(autograd_determinism):
     assert torch.equal(torch.get_rng_state(), rng_before)
 
 
+def test_frozen_parameters_and_assigned_buffers_are_restored(autograd_determinism):
+    class MomentumEncoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.online = nn.Linear(4, 4)
+            self.target = nn.Linear(4, 4).requires_grad_(False)
+            self.register_buffer("calls", torch.zeros(()))
+
+        def forward(self, x):
+            with torch.no_grad():
+                for target, online in zip(self.target.parameters(), self.online.parameters()):
+                    target.mul_(0.9).add_(0.1 * online)
+            self.calls = self.calls + 1  # replaces the buffer
+            return self.online(x) + self.target(x)
+
+    model = MomentumEncoder()
+    start = {{name: value.clone() for name, value in model.state_dict().items()}}
+    result = autograd_determinism(model, torch.randn(2, 4))
+    assert float(result.buffers["calls"]) == 1.0
+    assert set(result.parameter_grads) == {{"online.weight", "online.bias"}}
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, start[name]), name
+
+
 def test_fixture_turns_on_deterministic_settings(autograd_determinism):
     assert torch.are_deterministic_algorithms_enabled()
     assert not torch.is_deterministic_algorithms_warn_only_enabled()
@@ -136,7 +160,7 @@ def test_fixture_turns_on_deterministic_settings(autograd_determinism):
 
 def test_reproducible_models_pass(plugin_pytester: pytest.Pytester) -> None:
     result = run_session(plugin_pytester, PASSING)
-    result.assert_outcomes(passed=9)
+    result.assert_outcomes(passed=10)
 
 
 FAILING = """
@@ -229,6 +253,20 @@ def test_op_without_deterministic_implementation(autograd_determinism):
     autograd_determinism(forward, torch.randn(1, 1, 4))
 
 
+def test_forward_changing_a_trainable_parameter(autograd_determinism):
+    class Clipped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = nn.Linear(4, 4)
+
+        def forward(self, x):
+            with torch.no_grad():
+                self.layer.weight.clamp_(-0.1, 0.1)
+            return self.layer(x)
+
+    autograd_determinism(Clipped(), torch.randn(2, 4))
+
+
 class PutBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x):
@@ -261,7 +299,7 @@ def failing(plugin_pytester: pytest.Pytester) -> pytest.RunResult:
     """The session of failing cases, run once and read by every test below."""
     if not _failing_runs:
         result = run_session(plugin_pytester, FAILING)
-        result.assert_outcomes(failed=7)
+        result.assert_outcomes(failed=8)
         _failing_runs.append(result)
     return _failing_runs[0]
 
@@ -333,6 +371,11 @@ def test_op_without_deterministic_backward_is_reported(failing: pytest.RunResult
         f"where: backward (PutBackwardBackward) at test_session.py:{line_of(FAILING, 'LINE-PUT')}"
         in text
     )
+
+
+def test_forward_changing_a_trainable_parameter_is_named(failing: pytest.RunResult) -> None:
+    text = failure_section(failing, "test_forward_changing_a_trainable_parameter")
+    assert "The forward changed the trainable parameter layer.weight in place" in text
 
 
 ISOLATION = """
