@@ -30,14 +30,20 @@ def bake_project(output_dir: Path, **answers: object) -> Path:
 
 
 def copy_template(destination: Path) -> Path:
-    """Copy the template's files as a commit would hold them (tracked and new, not ignored)."""
+    """Copy the template's files as a commit would hold them (tracked and new, not ignored).
+
+    Projects generated into the checkout (folders with ``.template-answers.json``,
+    e.g. by the README's first command) are not part of the template and are left out.
+    """
     listed = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
         cwd=TEMPLATE_DIR, check=True, capture_output=True, text=True,
     ).stdout  # fmt: skip
     for relative in filter(None, listed.split("\0")):
         source = TEMPLATE_DIR / relative
-        if source.is_file():
+        top = relative.split("/", 1)[0]
+        generated = "{{" not in top and (TEMPLATE_DIR / top / ".template-answers.json").is_file()
+        if source.is_file() and not generated:
             (destination / relative).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, destination / relative)
     return destination
