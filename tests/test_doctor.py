@@ -252,6 +252,17 @@ def test_determinism_check_restores_global_state(checks) -> None:
     assert torch.equal(torch.get_rng_state(), rng)
 
 
+def test_a_check_that_raises_is_reported_as_its_failure(checks, monkeypatch) -> None:
+    def broken_shm():
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(checks, "check_shm", broken_shm)
+    results = {result.check: result for result in checks.run_checks(environ={})}
+    assert results["/dev/shm"].status == "FAIL"
+    assert results["/dev/shm"].detail == "the check raised OSError: [Errno 5] Input/output error"
+    assert results["autograd cpu"].status == "ok"  # the others still ran
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

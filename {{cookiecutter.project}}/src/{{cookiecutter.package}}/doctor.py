@@ -38,6 +38,7 @@ import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -392,17 +393,21 @@ def _exchange(port: int, request: bytes) -> bytes:
     A failed connection raises `OSError`; a server that stays silent gives ``b""``.
     """
     chunks: list[bytes] = []
-    with socket.create_connection(("127.0.0.1", port), timeout=CONNECT_TIMEOUT_S) as connection:
-        with contextlib.suppress(OSError):
-            if request:
-                connection.sendall(request)
-            while sum(map(len, chunks)) < 4096:
-                chunk = connection.recv(4096)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-                if not request:  # the SSH banner is one line, sent first
-                    break
+    address = ("127.0.0.1", port)
+    # Connecting happens before the suppression starts: only a failed exchange is silenced.
+    with (
+        socket.create_connection(address, timeout=CONNECT_TIMEOUT_S) as connection,
+        contextlib.suppress(OSError),
+    ):
+        if request:
+            connection.sendall(request)
+        while sum(map(len, chunks)) < 4096:
+            chunk = connection.recv(4096)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            if not request:  # the SSH banner is one line, sent first
+                break
     return b"".join(chunks)
 
 
@@ -445,24 +450,35 @@ def check_jupyter(environ: Mapping[str, str]) -> Result | None:
     return Result("jupyter", OK, f"Jupyter server {version} on port {port}")
 
 
+def _rows(name: str, check: Callable[..., Any], *args: Any) -> list[Result]:
+    """The rows of ``check(*args)``; an exception is that check's failure, not the doctor's."""
+    try:
+        outcome = check(*args)
+    except Exception as error:  # a broken environment is what the doctor is there for
+        return [Result(name, FAIL, f"the check raised {type(error).__name__}: {error}")]
+    if outcome is None:
+        return []
+    return outcome if isinstance(outcome, list) else [outcome]
+
+
 def run_checks(require_gpu: bool = False, environ: Mapping[str, str] = os.environ) -> list[Result]:
     unavailable_reason = cuda_unavailable_reason()
-    results = [
-        check_python(),
-        check_torch(),
-        check_driver(torch.version.cuda, driver_version()),
-        *check_gpus(unavailable_reason, require_gpu),
-        check_eager_mode(),
-        check_torchscript(environ),
-    ]
     devices = ["cpu"]
     if unavailable_reason is None:
         devices += [f"cuda:{index}" for index in range(torch.cuda.device_count())]
-    results += [check_autograd(device) for device in devices]
-    results.append(check_determinism(devices))
-    results.append(check_shm())
-    results += [r for r in (check_sshd(environ), check_jupyter(environ)) if r is not None]
-    return results
+    return [
+        *_rows("python", check_python),
+        *_rows("torch", check_torch),
+        *_rows("NVIDIA driver", check_driver, torch.version.cuda, driver_version()),
+        *_rows("GPU", check_gpus, unavailable_reason, require_gpu),
+        *_rows("eager mode", check_eager_mode),
+        *_rows("TorchScript", check_torchscript, environ),
+        *(row for device in devices for row in _rows(f"autograd {device}", check_autograd, device)),
+        *_rows("deterministic mode", check_determinism, devices),
+        *_rows("/dev/shm", check_shm),
+        *_rows("sshd", check_sshd, environ),
+        *_rows("jupyter", check_jupyter, environ),
+    ]
 
 
 def format_table(results: Sequence[Result]) -> str:
