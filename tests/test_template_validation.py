@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import tomllib
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 from conftest import TEMPLATE_DIR, bake_project
+from cookiecutter.environment import StrictEnvironment
 from cookiecutter.exceptions import FailedHookException
 from cookiecutter.main import cookiecutter
 
@@ -217,3 +219,16 @@ def test_project_name_cannot_place_files_outside_the_output_folder(output_dir, c
         bake_project(output_dir, project="../escape")
     assert "error: project = '../escape' is not allowed" in capfd.readouterr().err
     assert entries(output_dir.parent) == before
+
+
+@pytest.mark.parametrize("hook", ["pre_gen_project.py", "post_gen_project.py"])
+def test_answers_line_turns_any_text_into_the_same_string(hook):
+    """The hooks' one Jinja line, rendered as cookiecutter does, gives back each answer exactly."""
+    source = (TEMPLATE_DIR / "hooks" / hook).read_text()
+    line = next(text for text in source.splitlines() if text.startswith("ANSWERS = "))
+    template = StrictEnvironment(context={"cookiecutter": {}}).from_string(line)
+    for text in ["'", "\\", "\\'", "'''", '"""', "\n", "\u2028", "é 张", "</script>", "\\u0027",
+                 "{{ 1 }}", "\x00", PYTHON_PAYLOAD, "\\" * 3]:  # fmt: skip
+        namespace: dict[str, object] = {"json": json}
+        exec(template.render(cookiecutter={"value": text}), namespace)
+        assert namespace["ANSWERS"] == {"value": text}
