@@ -10,6 +10,7 @@ uninterrupted run's. Bad command lines are checked in-process through ``main()``
 from __future__ import annotations
 
 import importlib
+import io
 import os
 import signal
 import subprocess
@@ -370,6 +371,39 @@ def test_synthetic_data_makes_dynamic_net_skip_its_block_for_some_batches(train_
             used += 1
     assert skipped > 0
     assert used > 0
+
+
+def test_progress_bar(default_project: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a terminal the line is redrawn in place; elsewhere only finished epochs are
+    written, and the loss (a GPU synchronization) is read only for a line drawn."""
+    monkeypatch.syspath_prepend(str(default_project / "src"))
+    progress_module = importlib.import_module(f"{DEFAULT_PACKAGE}._progress")
+    reads = []
+
+    def loss() -> float:
+        reads.append(1)
+        return 0.5
+
+    log = io.StringIO()
+    quiet = progress_module.Progress(2, 4, stream=log, interactive=False)
+    quiet.start_epoch(1)
+    for step in range(1, 5):
+        quiet.update(step, step * 8, loss)
+    quiet.end_epoch(32, 0.25)
+    assert reads == []
+    (line,) = log.getvalue().splitlines()
+    assert line.startswith("epoch 1/2 [########################] 4/4 loss 0.2500 ")
+
+    terminal = io.StringIO()
+    live = progress_module.Progress(2, 4, stream=terminal, interactive=True, min_interval=0)
+    live.start_epoch(2)
+    live.update(2, 16, loss)
+    live.end_epoch(32, 0.25)
+    assert reads == [1]
+    drawn, finished = terminal.getvalue().split("\x1b[K", 1)
+    assert drawn.startswith("\repoch 2/2 [############------------] 2/4 loss 0.5000 ")
+    assert finished.startswith("\repoch 2/2 [########################] 4/4 loss 0.2500 ")
+    assert finished.endswith("\x1b[K\n")
 
 
 def torchrun(project: Path, *args: str) -> subprocess.CompletedProcess[str]:
