@@ -290,19 +290,20 @@ class DevContainer:
             check=check,
         )  # fmt: skip
 
-    def up(self, *extra: str) -> dict:
+    def up(self, *extra: str) -> tuple[dict, str]:
+        """``devcontainer up``: its result, and its log (the lifecycle commands' output)."""
         result = self.cli_run("up", *extra)
         outcome = json.loads(result.stdout.strip().splitlines()[-1])
         assert outcome["outcome"] == "success", result.stdout[-6000:] + result.stderr[-6000:]
-        return outcome
+        return outcome, result.stderr
 
     def exec(self, *command: str, timeout: float = 600, check: bool = True):
         return self.cli_run("exec", *command, timeout=timeout, check=check)
 
-    def ssh(self, user: str, *command: str, check: bool = True):
+    def ssh(self, user: str, *command: str, check: bool = True, port: int | None = None):
         return run(
             [
-                "ssh", "-F", "/dev/null", "-p", self.ssh_port,
+                "ssh", "-F", "/dev/null", "-p", port or self.ssh_port,
                 "-o", "BatchMode=yes", "-o", "IdentitiesOnly=yes", "-i", self.key,
                 "-o", f"UserKnownHostsFile={self.home / 'known_hosts'}",
                 "-o", "StrictHostKeyChecking=accept-new", "-o", "ConnectTimeout=30",
@@ -355,6 +356,10 @@ def test_devcontainer_end_to_end(
     project = bake_project(
         tmp_path, ssh_port=str(ssh_port), jupyter_port=str(jupyter_port), jupyter=True
     )
+    # Owned by UID 1000, the container user's, as a host user's folder would be after
+    # the CLI gives the container user the host user's UID (it keeps it for root).
+    for path in (project, *project.rglob("*")):
+        os.chown(path, 1000, 1000)
     home = tmp_path / "home"
     (home / ".ssh").mkdir(parents=True)
     key = home / ".ssh" / "id_ed25519"
@@ -365,7 +370,8 @@ def test_devcontainer_end_to_end(
     )  # fmt: skip
 
     # Reopen in Container: build, create, postCreate (install), postStart (services).
-    box.up()
+    _, log = box.up()
+    assert "is not a git repository, so the pre-commit hooks are not installed yet" in log
     record_property("devcontainer_up_seconds", round(time.monotonic() - started))
 
     # The project is installed over the base image's torch, which pip left alone.
@@ -383,9 +389,7 @@ def test_devcontainer_end_to_end(
     assert ids.split() == ["dev", "1000", "no-ubuntu"]
 
     # The project's own tests pass inside the container.
-    tests = box.exec(
-        "python", "-m", "pytest", "-q", "-p", "no:cacheprovider", timeout=900, check=False
-    )
+    tests = box.exec("pytest", "-q", timeout=900, check=False)
     assert tests.returncode == 0, tests.stdout[-6000:] + tests.stderr[-3000:]
 
     # SSH with the host user's key, as the dev user only, in the project's environment.
@@ -405,12 +409,36 @@ def test_devcontainer_end_to_end(
     assert http_status(f"http://127.0.0.1:{jupyter_port}/api/status") == 403
     assert http_status(f"http://127.0.0.1:{jupyter_port}/api/status?token={token}") == 200
 
-    # A rebuild keeps the SSH host key (a volume), so known_hosts stays valid.
+    # A rebuild keeps the SSH host key (a volume), so known_hosts stays valid; in a
+    # git repository, it installs the pre-commit hook.
+    run(["git", "init", "--quiet", project], timeout=60)
+    for path in (project / ".git", *(project / ".git").rglob("*")):
+        os.chown(path, 1000, 1000)
     host_key = box.host_key()
-    box.up("--remove-existing-container")
+    rebuilt, _ = box.up("--remove-existing-container")
+    assert (project / ".git" / "hooks" / "pre-commit").is_file()
     wait_for_port(ssh_port)
     assert box.host_key() == host_key
     box.ssh("dev", "true")
+
+    # The same image without VS Code: plain docker run, the key in SSH_AUTHORIZED_KEYS.
+    image = engine("inspect", "--format", "{{.Image}}", rebuilt["containerId"]).stdout.strip()
+    run_ssh_port, run_jupyter_port = free_port(), free_port()
+    engine(
+        "run", "--detach", "--name", "plain-docker-run", "--network=host", "--init",
+        "-e", f"PROJECT_SSH_PORT={run_ssh_port}",
+        "-e", f"PROJECT_JUPYTER_PORT={run_jupyter_port}",
+        "-e", f"SSH_AUTHORIZED_KEYS={key.with_suffix('.pub').read_text()}",
+        "-v", f"{project}:/workspace",
+        image,
+    )  # fmt: skip
+    wait_for_port(run_ssh_port)
+    plain = box.ssh("dev", "python -c 'import torch; print(torch.__version__)'", port=run_ssh_port)
+    assert plain.stdout.strip() == f"{TORCH_VERSION}+cpu"
+    wait_for_port(run_jupyter_port)
+    logs = engine("logs", "plain-docker-run").stdout
+    assert f"    Port {run_ssh_port}\n" in logs
+    assert f"http://localhost:{run_jupyter_port}/lab?token=" in logs
 
     elapsed = time.monotonic() - started
     images = engine("images", "--format", "{{.Repository}} {{.Size}}").stdout
