@@ -434,6 +434,18 @@ def test_each_worker_gets_its_gpu(
     )
 
 
+def test_tx_specs_get_one_gpu_each(plugin_pytester, fake_cuda_machine, monkeypatch):
+    fake_cuda_machine()
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    plugin_pytester.makepyfile(RECORD_WORKER_ENV)
+    result = plugin_pytester.runpytest_subprocess(
+        "-p", PLUGIN_MODULE, "--gpu", "--tx", "2*popen", "--dist", "load"
+    )
+    result.assert_outcomes(passed=8)
+    assert recorded_worker_env(plugin_pytester) == {"gw0": "0", "gw1": "1"}
+    result.stdout.fnmatch_lines(["  xdist workers (CUDA_VISIBLE_DEVICES): gw0 -> 0, gw1 -> 1"])
+
+
 def test_workers_keep_the_callers_devices_without_gpu_option(plugin_pytester, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"{UUID_A},{UUID_B}")
     plugin_pytester.makepyfile(RECORD_WORKER_ENV)

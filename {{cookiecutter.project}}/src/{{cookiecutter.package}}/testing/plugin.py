@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import os
+import re
 from typing import Any
 
 import pytest
@@ -106,7 +107,8 @@ class TorchTestingPlugin:
         self.driver = gpus.driver_version()
         self.visible = gpus.visible_devices(os.environ.get(VISIBLE_DEVICES), self.gpu_infos)
         if self.distributed and self.visible:
-            self.worker_devices = gpus.assign_devices(self.visible, len(config.getoption("tx")))
+            workers = xdist_worker_count(config.getoption("tx"))
+            self.worker_devices = gpus.assign_devices(self.visible, workers)
 
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
         if not self.gpu_enabled:
@@ -203,8 +205,20 @@ class XdistHooks:
     def pytest_xdist_setupnodes(self, specs: list[Any]) -> None:
         # The environment of the worker's interpreter is set before it imports anything,
         # so CUDA there starts with only its own GPU visible.
-        for spec, device in zip(specs, self.plugin.worker_devices, strict=False):
+        if not (self.plugin.gpu_enabled and self.plugin.visible):
+            return
+        devices = gpus.assign_devices(self.plugin.visible, len(specs))
+        for spec, device in zip(specs, devices, strict=True):
             spec.env[VISIBLE_DEVICES] = device
+
+
+def xdist_worker_count(tx: list[str]) -> int:
+    """How many workers xdist starts for these ``--tx`` specs (``3*popen`` is three)."""
+    count, spec_times = 0, re.compile(r"(\d+)\*")
+    for spec in tx:
+        times = spec_times.match(spec)
+        count += int(times.group(1)) if times else 1
+    return count
 
 
 def is_gpu_test(item: pytest.Item) -> bool:
