@@ -50,6 +50,8 @@ def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginMa
 
 
 class TorchTestingPlugin:
+    """The plugin's hooks and the ``gpu`` fixture; one instance per pytest session."""
+
     def __init__(self) -> None:
         self.gpu_enabled = False
         self.distributed = False
@@ -112,7 +114,7 @@ class TorchTestingPlugin:
 
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
         if not self.gpu_enabled:
-            return [f"GPU tests: skipped (run pytest --{GPU_MARKER} to run them)"]
+            return ["GPU tests: skipped (run pytest --gpu to run them)"]
         return gpu_report_lines(
             self.driver, self.gpu_infos, self.visible, self.worker_devices, self.distributed
         )
