@@ -245,6 +245,18 @@ def test_noise_reaching_one_parameter(autograd_determinism):
     autograd_determinism(Net(), torch.randn(3, 4))
 
 
+class OsNoise(nn.Module):
+    def forward(self, x):
+        generator = torch.Generator()
+        generator.seed()
+        return x + torch.randn(x.shape, generator=generator)  # LINE-MODULE
+
+
+def test_noise_inside_a_submodule(autograd_determinism):
+    model = nn.Sequential(nn.Linear(4, 4), OsNoise(), nn.Linear(4, 2))
+    autograd_determinism(model, torch.randn(3, 4))
+
+
 def test_op_without_deterministic_implementation(autograd_determinism):
     def forward(x):
         pooled, indices = nn.functional.max_pool1d(x, 2, return_indices=True)
@@ -299,7 +311,7 @@ def failing(plugin_pytester: pytest.Pytester) -> pytest.RunResult:
     """The session of failing cases, run once and read by every test below."""
     if not _failing_runs:
         result = run_session(plugin_pytester, FAILING)
-        result.assert_outcomes(failed=8)
+        result.assert_outcomes(failed=9)
         _failing_runs.append(result)
     return _failing_runs[0]
 
@@ -352,6 +364,14 @@ def test_noise_reaching_one_parameter_names_it(failing: pytest.RunResult) -> Non
         assert other not in text
 
 
+def test_noise_inside_a_submodule_names_the_module(failing: pytest.RunResult) -> None:
+    text = failure_section(failing, "test_noise_inside_a_submodule")
+    assert (
+        "aten.randn.generator (forward in 1 (OsNoise) at test_session.py:"
+        f"{line_of(FAILING, 'LINE-MODULE')})" in text
+    )
+
+
 def test_op_without_deterministic_implementation_is_reported(failing: pytest.RunResult) -> None:
     text = failure_section(failing, "test_op_without_deterministic_implementation")
     assert (
@@ -376,6 +396,54 @@ def test_op_without_deterministic_backward_is_reported(failing: pytest.RunResult
 def test_forward_changing_a_trainable_parameter_is_named(failing: pytest.RunResult) -> None:
     text = failure_section(failing, "test_forward_changing_a_trainable_parameter")
     assert "The forward changed the trainable parameter layer.weight in place" in text
+
+
+BACKWARD_ON_CPU_THREADS = """
+import pytest
+import torch
+from torch import nn
+
+from {package}.testing.determinism import DeterminismError
+
+
+class Gather(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(16, 64))
+        self.index = torch.randint(0, 16, (100_000,))
+
+    def forward(self, x):
+        return self.weight[self.index] * x  # LINE-GATHER
+
+
+def test_accumulating_backward(autograd_determinism):
+    # Indexing's backward is index_put_(accumulate=True); with deterministic mode off
+    # (here, for this test) its CPU kernel accumulates in parallel, in varying order.
+    torch.use_deterministic_algorithms(False)
+    try:
+        with pytest.raises(DeterminismError) as raised:
+            autograd_determinism(Gather(), torch.randn(100_000, 64), runs=10)
+    finally:
+        torch.use_deterministic_algorithms(True)
+    print(raised.value)
+""".replace("{package}", DEFAULT_PACKAGE)
+
+
+@pytest.mark.skipif(torch.get_num_threads() < 2, reason="needs 2 CPU threads to race")
+def test_builtin_backward_op_is_located_at_its_forward_call(
+    plugin_pytester: pytest.Pytester,
+) -> None:
+    result = run_session(plugin_pytester, BACKWARD_ON_CPU_THREADS, "-s")
+    result.assert_outcomes(passed=1)
+    line = line_of(BACKWARD_ON_CPU_THREADS, "LINE-GATHER")
+    result.stdout.fnmatch_lines(
+        [
+            "  grad of weight: * elements differ*",
+            "first differing op: #* aten.index_put.default (backward (IndexBackward0) of "
+            f"__getitem__ in the model (Gather) at test_session.py:{line}): same inputs in "
+            "both runs, different outputs, so this op itself is not deterministic",
+        ]
+    )
 
 
 ISOLATION = """

@@ -28,6 +28,7 @@ import warnings
 import zlib
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import torch
@@ -570,8 +571,55 @@ class _OpRecord:
     explicit_generator: bool
 
 
+class _ModuleStack:
+    """Which module's forward is running, by its name in the model, while active."""
+
+    def __init__(self, root: nn.Module | None) -> None:
+        named = root.named_modules(remove_duplicate=False) if root is not None else ()
+        self._names = {id(module): name for name, module in named}
+        self._stack: list[str] = []
+        self._handles: list[Any] = []
+
+    def current(self) -> str | None:
+        return self._stack[-1] if self._stack else None
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        name = self._names.get(id(module))
+        kind = type(module).__name__
+        self._stack.append(f"{name} ({kind})" if name else f"the model ({kind})" if name == "" else kind)
+
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self._stack:
+            self._stack.pop()
+
+    def __enter__(self) -> _ModuleStack:
+        hooks = torch.nn.modules.module
+        self._handles = [
+            hooks.register_module_forward_pre_hook(self._enter),
+            hooks.register_module_forward_hook(self._exit, always_call=True),
+        ]
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+def _site(modules: _ModuleStack, frame: FrameType | None, what: str) -> str:
+    """``what in encoder.1 (Linear) at models.py:45``, leaving out what is unknown."""
+    module = modules.current()
+    location = control_flow.user_location(frame)
+    return " ".join(
+        filter(None, [what, f"in {module}" if module else "", f"at {location}" if location else ""])
+    )
+
+
 class _GraphTagger(TorchFunctionMode):
-    """Marks each new autograd node with the user's line whose call created it."""
+    """Marks each new autograd node with the call that created it (module and user line)."""
+
+    def __init__(self, modules: _ModuleStack) -> None:
+        super().__init__()
+        self.modules = modules
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
@@ -582,9 +630,7 @@ class _GraphTagger(TorchFunctionMode):
             if node is None or _SITE_KEY in node.metadata:
                 continue
             if site is None:
-                location = control_flow.user_location(sys._getframe(1))
-                name = getattr(func, "__name__", str(func))
-                site = f"{name} at {location}" if location else name
+                site = _site(self.modules, sys._getframe(1), getattr(func, "__name__", str(func)))
             node.metadata[_SITE_KEY] = site
             pending.extend(next_node for next_node, _ in node.next_functions)
         return result
@@ -593,8 +639,9 @@ class _GraphTagger(TorchFunctionMode):
 class _OpRecorder(TorchDispatchMode):
     """Fingerprints inputs and outputs of every aten op, in forward and backward."""
 
-    def __init__(self) -> None:
+    def __init__(self, modules: _ModuleStack) -> None:
         super().__init__()
+        self.modules = modules
         self.ops: list[_OpRecord] = []
         self.failed_site: str | None = None
 
@@ -605,7 +652,7 @@ class _OpRecorder(TorchDispatchMode):
         try:
             result = func(*args, **kwargs)
         except RuntimeError:
-            self.failed_site = _op_site(sys._getframe(1))
+            self.failed_site = self._site(sys._getframe(1))
             raise
         generator = kwargs.get("generator")
         with torch._C.DisableTorchFunction():
@@ -613,7 +660,7 @@ class _OpRecorder(TorchDispatchMode):
         self.ops.append(
             _OpRecord(
                 str(func),
-                _op_site(sys._getframe(1)),
+                self._site(sys._getframe(1)),
                 inputs,
                 outputs,
                 generator is not None and generator is not torch.default_generator,
@@ -621,15 +668,16 @@ class _OpRecorder(TorchDispatchMode):
         )
         return result
 
-
-def _op_site(frame) -> str:
-    location = control_flow.user_location(frame)
-    node = torch._C._current_autograd_node()
-    if node is None:
-        return f"forward at {location}" if location else "forward"
-    forward = node.metadata.get(_SITE_KEY)
-    where = f"at {location}" if location else f"of {forward}" if forward else ""
-    return " ".join(filter(None, ["backward", f"({node.name()})", where]))
+    def _site(self, frame: FrameType | None) -> str:
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return _site(self.modules, frame, "forward")
+        backward = f"backward ({node.name()})"
+        location = control_flow.user_location(frame)  # a custom Function's backward
+        forward = node.metadata.get(_SITE_KEY)
+        if location:
+            return f"{backward} at {location}"
+        return f"{backward} of {forward}" if forward else backward
 
 
 @dataclasses.dataclass
@@ -641,12 +689,18 @@ class _RecordedRun:
 
 
 def _recorded_run(subject: _Subject, cotangents: _Cotangents) -> _RecordedRun:
-    recorder = _OpRecorder()
+    modules = _ModuleStack(_module_of(subject.target))
+    recorder = _OpRecorder(modules)
     logs: list[control_flow.DecisionLog] = []
 
     @contextlib.contextmanager
     def recording() -> Iterator[None]:
-        with control_flow.record_decisions() as decisions, _GraphTagger(), recorder:
+        with (
+            modules,
+            control_flow.record_decisions() as decisions,
+            _GraphTagger(modules),
+            recorder,
+        ):
             logs.append(decisions)
             yield
 
