@@ -14,6 +14,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -571,3 +572,113 @@ def test_two_generated_projects_in_one_environment(bake, tmp_path):
     assert "needs a CUDA GPU: run pytest --gpu" in result.stdout
     blocked = env.run("pytest", "-p", "no:alpha_model", "--help", cwd=first).stdout
     assert "--gpu " in blocked  # the other copy takes over
+
+
+# --- the checks after GPU tests, against a fake CUDA runtime --------------------------
+# The real thing runs in benchmarks/gpu_checks/plugin_gpu.sh on a GPU machine. Here
+# torch.cuda's memory counter, synchronize and device queries are replaced so that the
+# plugin's wiring (what is checked when, how it is reported) runs on every machine.
+
+AFTER_TEST_CHECKS = """
+import pytest
+import torch
+
+KEPT = []
+
+
+class FakeCudaBlock:
+    # Counts as allocated CUDA memory while it is alive.
+    def __init__(self, size):
+        self.size = size
+        torch.cuda.fake_allocated[0] += size
+
+    def __del__(self):
+        getattr(torch.cuda, "fake_allocated", [0])[0] -= self.size
+
+
+@pytest.fixture
+def holder():
+    return {}
+
+
+def test_clean(gpu):
+    block = FakeCudaBlock(100)
+    del block
+
+
+def test_planted_leak(gpu):
+    KEPT.append(FakeCudaBlock(4096))
+
+
+@pytest.mark.keeps_cuda_memory
+def test_kept_on_purpose(gpu):
+    KEPT.append(FakeCudaBlock(10))
+
+
+def test_memory_held_by_a_function_fixture(gpu, holder):
+    holder["model"] = FakeCudaBlock(500)
+
+
+def test_asynchronous_error(gpu):
+    torch.cuda.fake_pending_error[0] = "CUDA error: device-side assert triggered"
+
+
+def test_fails_with_an_asynchronous_error_too(gpu):
+    torch.cuda.fake_pending_error[0] = "CUDA error: an illegal memory access was encountered"
+    assert False, "the test's own failure"
+
+
+@pytest.mark.gpu(count=2)
+def test_two_gpus():
+    pass
+"""
+
+
+@pytest.fixture
+def fake_cuda_runtime(gpus, monkeypatch):
+    """One fake GPU for in-process sessions: nothing reaches a CUDA driver."""
+    monkeypatch.setattr(gpus, "cuda_unavailable_reason", lambda **_: None)
+    monkeypatch.setattr(torch.cuda, "fake_allocated", [0], raising=False)
+    monkeypatch.setattr(torch.cuda, "fake_pending_error", [None], raising=False)
+
+    def synchronize(device=None):
+        error, torch.cuda.fake_pending_error[0] = torch.cuda.fake_pending_error[0], None
+        if error:
+            raise RuntimeError(error)
+
+    monkeypatch.setattr(torch.cuda, "synchronize", synchronize)
+    monkeypatch.setattr(
+        torch.cuda, "memory_allocated", lambda device=None: torch.cuda.fake_allocated[0]
+    )
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda index: SimpleNamespace(name="Fake GPU", total_memory=80 * 2**30, major=9, minor=0),
+    )
+
+
+def test_after_test_checks_of_gpu_tests(plugin_pytester, fake_cuda_runtime):
+    plugin_pytester.makepyfile(test_after=AFTER_TEST_CHECKS)
+    result = plugin_pytester.runpytest("-p", PLUGIN_MODULE, "--gpu", "-rsE", "-p", "no:randomly")
+    result.assert_outcomes(passed=4, failed=2, errors=1, skipped=1)
+    assert torch.cuda.fake_allocated == [4096 + 10]  # only what KEPT holds
+    result.stdout.fnmatch_lines(
+        [
+            "GPU tests: on; torch *",
+            "  cuda:0: Fake GPU, 80.0 GiB, compute capability 9.0",
+            "*_ ERROR at teardown of test_planted_leak _*",
+            "AfterTestCheckFailed: cuda:0: the test left 4096 bytes (0.00 MiB) of CUDA memory "
+            "allocated (0 when its body started, 4096 after its teardown*",
+            "*_ test_asynchronous_error _*",
+            "AfterTestCheckFailed: CUDA reported an error while finishing this test's kernels*",
+            "CUDA error: device-side assert triggered",
+            "*_ test_fails_with_an_asynchronous_error_too _*",
+            "*AssertionError: the test's own failure*",
+            "*CUDA error: an illegal memory access was encountered*",
+            "SKIPPED [[]1[]] *needs 2 GPUs, 1 visible to this test process*",
+        ]
+    )
+    errors = [line for line in result.stdout.lines if line.startswith("ERROR")]
+    assert len(errors) == 1
+    assert errors[0].startswith("ERROR test_after.py::test_planted_leak - AfterTestCheckFailed")

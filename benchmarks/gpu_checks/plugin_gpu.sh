@@ -78,6 +78,16 @@ def test_kept_on_purpose(gpu):
 def test_reseeds_cuda_rng(gpu):
     torch.randn(3, device=gpu)
     torch.cuda.manual_seed(1)
+
+
+@pytest.fixture
+def model():
+    return torch.nn.Linear(256, 256)
+
+
+def test_moves_a_fixture_model_to_the_gpu(model, gpu):
+    model.to(gpu)  # in place: the fixture holds GPU memory until teardown
+    model(torch.randn(4, 256, device=gpu)).sum().backward()
 EOF
 cat >"$project/planted/test_async_error.py" <<'EOF'
 import torch
@@ -103,16 +113,16 @@ expect "pytest --gpu -n 2, both workers on GPU 0" 0 \
     -- env CUDA_VISIBLE_DEVICES=0 "${run_pytest[@]}" --gpu -n 2 -rs
 
 expect "planted leak and reseed caught, clean GPU tests pass" 1 \
-    "2 failed, 2 passed" \
-    "FAILED planted/test_after_test_checks.py::test_planted_leak - AfterTestCheckFailed" \
+    "1 failed, 4 passed, 1 error" \
+    "ERROR planted/test_after_test_checks.py::test_planted_leak - AfterTestCheckFailed" \
     "cuda:0: the test left 4194304 bytes" \
     "torch cuda:0 RNG: reseeded, initial seed [0-9]+ -> 1" \
-    -- "${run_pytest[@]}" --gpu planted/test_after_test_checks.py
+    -- "${run_pytest[@]}" --gpu -rfE planted/test_after_test_checks.py
 
 expect "asynchronous CUDA error fails the test that caused it" 1 \
     "1 failed, 1 passed" \
     "FAILED planted/test_async_error.py::test_out_of_bounds_index - AfterTestCheckFailed" \
-    -- "${run_pytest[@]}" --gpu planted/test_async_error.py
+    -- "${run_pytest[@]}" --gpu -rfE planted/test_async_error.py
 
 expect "--gpu with CUDA_VISIBLE_DEVICES='' is a usage error" 4 \
     "CUDA_VISIBLE_DEVICES='' hides every GPU" \

@@ -35,6 +35,7 @@ HOW_TO_RUN_GPU_TESTS = "needs a CUDA GPU: run pytest --gpu to run GPU tests"
 GPU_MARKER = "gpu"
 KEEPS_CUDA_MEMORY_MARKER = "keeps_cuda_memory"
 CHANGES_GLOBAL_STATE_MARKER = "changes_global_state"
+MEMORY_AT_CALL = pytest.StashKey["list[int] | None"]()
 
 
 class AfterTestCheckFailed(AssertionError):
@@ -159,8 +160,10 @@ class TorchTestingPlugin:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item):
         gpu_test = self.gpu_enabled and is_gpu_test(item)
+        check_memory = gpu_test and item.get_closest_marker(KEEPS_CUDA_MEMORY_MARKER) is None
+        item.stash[MEMORY_AT_CALL] = None
         before = global_state.snapshot()
-        allocated = cuda_memory_allocated(gpus_needed(item)) if gpu_test else None
+        memory = cuda_memory_allocated(gpus_needed(item)) if check_memory else None
         try:
             result = yield
         except BaseException as error:
@@ -168,7 +171,6 @@ class TorchTestingPlugin:
             if gpu_test:
                 note_cuda_error(error, gpus_needed(item))
             raise
-        problems = []
         if gpu_test:
             synchronize_or_fail(gpus_needed(item))
         after = global_state.snapshot()
@@ -176,11 +178,26 @@ class TorchTestingPlugin:
         if after != before:
             global_state.restore(before)
         if leaked and item.get_closest_marker(CHANGES_GLOBAL_STATE_MARKER) is None:
-            problems.append(global_state_message(leaked))
-        if allocated is not None and item.get_closest_marker(KEEPS_CUDA_MEMORY_MARKER) is None:
-            problems.extend(cuda_memory_leaks(allocated))
-        if problems:
-            raise AfterTestCheckFailed("\n\n".join(problems))
+            raise AfterTestCheckFailed(global_state_message(leaked))
+        # Checked at teardown, and only after a passing body: a failure's traceback
+        # still holds the test's tensors.
+        item.stash[MEMORY_AT_CALL] = memory
+        return result
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(self, item: pytest.Item):
+        result = yield
+        # Measured once the function-scoped fixtures are gone: a fixture's model that the
+        # test moved to the GPU is freed by now, a tensor the test kept is not.
+        allocated = item.stash.get(MEMORY_AT_CALL, None)
+        if allocated is not None:
+            # pytest drops the test's fixture values right after teardown; drop them now.
+            funcargs = getattr(item, "funcargs", None)
+            if isinstance(funcargs, dict):
+                funcargs.clear()
+            leaks = cuda_memory_leaks(allocated)
+            if leaks:
+                raise AfterTestCheckFailed("\n".join(leaks))
         return result
 
     @pytest.hookimpl(wrapper=True)
@@ -322,8 +339,9 @@ def cuda_memory_leaks(before: list[int]) -> list[str]:
     now = cuda_memory_allocated(len(before))
     return [
         f"cuda:{index}: the test left {after - start} bytes ({(after - start) / 2**20:.2f} MiB) "
-        f"of CUDA memory allocated ({start} before, {after} after, after gc): a tensor is "
-        "still referenced (a global, a cache, a class attribute); free it, or mark the test "
+        f"of CUDA memory allocated ({start} when its body started, {after} after its "
+        "teardown and a garbage collection): a tensor is still referenced (a global, a "
+        "cache, a class attribute); free it, or mark the test "
         f"@pytest.mark.{KEEPS_CUDA_MEMORY_MARKER} if that is intended"
         for index, (start, after) in enumerate(zip(before, now, strict=True))
         if after > start
