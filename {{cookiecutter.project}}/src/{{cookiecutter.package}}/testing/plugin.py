@@ -6,7 +6,7 @@
 - ``pytest --gpu -n N`` gives each xdist worker its own GPU through its
   ``CUDA_VISIBLE_DEVICES``; ``-n auto`` starts one worker per GPU.
 - After each GPU test: synchronize, so an asynchronous CUDA error fails the test that
-  caused it, and fail a test that leaves CUDA memory allocated.
+  caused it; after its teardown, report CUDA memory the test left allocated.
 - Around each test's body: a snapshot of torch's global settings and RNGs; a test
   that changes one and does not restore it fails, and the next test starts clean.
 
