@@ -15,18 +15,11 @@
 set -uo pipefail
 
 python=${PYTHON:-python3}
-root=$(pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-project="$work/dynamic-model"
-if "$python" -c "import cookiecutter" 2>/dev/null; then
-    "$python" -m cookiecutter --no-input --output-dir "$work" "$root" >/dev/null || exit 1
-else
-    mkdir -p "$project/src" "$project/tests"
-    cp -r "$root/{{cookiecutter.project}}/src/{{cookiecutter.package}}" "$project/src/dynamic_model"
-    sed 's/{{ cookiecutter.package }}/dynamic_model/g' \
-        "$root/{{cookiecutter.project}}/tests/test_commands.py" >"$project/tests/test_commands.py"
-fi
+# shellcheck source=benchmarks/gpu_checks/bake.sh
+source "$(dirname "$0")/bake.sh"
+project=$(bake_project "$work" test_commands.py) || exit 1
 cd "$project" || exit 1
 export PYTHONPATH="$project/src" PYTHONUNBUFFERED=1
 unset PROJECT_SSH_PORT PROJECT_JUPYTER_PORT
