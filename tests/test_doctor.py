@@ -19,6 +19,7 @@ import socket
 import subprocess
 import textwrap
 import threading
+import types
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -221,6 +222,27 @@ def test_no_gpu_is_a_warning_unless_required(checks) -> None:
     assert (warning.status, failure.status) == ("warn", "FAIL")
     assert warning.detail.startswith(reason)
     assert failure.detail == reason
+
+
+def test_gpu_rows(checks, monkeypatch: pytest.MonkeyPatch) -> None:
+    """One row per visible GPU; one this build has no kernels for fails, naming the build."""
+    gpus = [
+        types.SimpleNamespace(name="NVIDIA H200", total_memory=150_121_168_896, major=9, minor=0),
+        types.SimpleNamespace(name="Tesla P100", total_memory=17_071_734_784, major=6, minor=0),
+    ]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: len(gpus))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: gpus[index])
+    monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: ["sm_75", "sm_80", "sm_90"])
+    h200, p100 = checks.check_gpus(None, require_gpu=True)
+    assert (h200.check, h200.status) == ("GPU 0", "ok")
+    assert h200.detail == (
+        "NVIDIA H200, 139.8 GiB, compute capability 9.0, supported by this build"
+    )
+    assert (p100.check, p100.status) == ("GPU 1", "FAIL")
+    assert p100.detail == (
+        f"Tesla P100, 15.9 GiB, compute capability 6.0: torch {torch.__version__} has no "
+        "kernels for it (built for sm_75 sm_80 sm_90); install a torch build that supports sm_60"
+    )
 
 
 def test_shm_size(checks, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
