@@ -315,6 +315,66 @@ def test_leaks_fail_the_test_that_leaked_and_the_next_starts_clean(plugin_pytest
     assert result.stdout.str().count("did not restore it") == 3
 
 
+FIXTURE_CHANGES = """
+import pytest
+import torch
+
+SESSION_SEED = torch.initial_seed()
+
+
+@pytest.fixture
+def deterministic_never_undone():
+    torch.use_deterministic_algorithms(True)
+
+
+@pytest.fixture
+def seeded():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(scope="module")
+def float64_for_the_module():
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(torch.float32)
+
+
+def test_with_a_fixture_that_never_undoes(deterministic_never_undone):
+    assert torch.are_deterministic_algorithms_enabled()
+
+
+def test_after_it_starts_clean():
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_seeded_by_a_fixture(seeded):
+    assert torch.initial_seed() == 0
+
+
+def test_seed_undone_after_it():
+    assert torch.initial_seed() == SESSION_SEED
+
+
+def test_module_fixture_state(float64_for_the_module, seeded):
+    assert torch.get_default_dtype() == torch.float64
+
+
+def test_module_fixture_state_kept(float64_for_the_module, seeded):
+    assert torch.get_default_dtype() == torch.float64
+"""
+
+
+def test_changes_made_by_function_fixtures_are_undone_after_teardown(plugin_pytester):
+    plugin_pytester.makepyfile(
+        test_fixtures=FIXTURE_CHANGES,
+        # The module fixture's own teardown, at the end of its module, puts float32 back.
+        test_fixtures_z="import torch\n\ndef test_dtype():\n"
+        "    assert torch.get_default_dtype() == torch.float32\n",
+    )
+    result = plugin_pytester.runpytest("-p", PLUGIN_MODULE, "-p", "no:randomly")
+    result.assert_outcomes(passed=7)
+
+
 def test_isolation_is_quiet_for_clean_tests(plugin_pytester):
     plugin_pytester.makepyfile(
         "import torch\n\n"

@@ -62,6 +62,9 @@ class TorchTestingPlugin:
         self.gpu_infos: list[gpus.GpuInfo] = []
         self.driver: str | None = None
         self.cuda_checked_here = False
+        self.in_setup = False
+        self.before_fixtures: global_state.GlobalState | None = None
+        self.wider_fixture_ran = False
 
     def pytest_addoption(self, parser: pytest.Parser) -> None:
         group = parser.getgroup("gpu", "GPU tests (torch)")
@@ -128,9 +131,36 @@ class TorchTestingPlugin:
                 if not self.gpu_enabled:
                     item.add_marker(skip)
 
-    def pytest_runtest_setup(self, item: pytest.Item) -> None:
-        if not (self.gpu_enabled and is_gpu_test(item)):
-            return
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_setup(self, item: pytest.Item):
+        self.before_fixtures = None
+        self.wider_fixture_ran = False
+        if self.gpu_enabled and is_gpu_test(item):
+            self.check_gpus_for(item)
+        self.in_setup = True
+        try:
+            return (yield)
+        finally:
+            self.in_setup = False
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef[Any]):
+        # Function-scoped fixtures may change global state for their test; the state
+        # before the first of them is put back after teardown. A wider fixture set up
+        # or torn down here changes it for other tests too, so then nothing is undone.
+        if self.in_setup:
+            if fixturedef.scope != "function":
+                self.wider_fixture_ran = True
+            elif self.before_fixtures is None:
+                self.before_fixtures = global_state.snapshot()
+        return (yield)
+
+    def pytest_fixture_post_finalizer(self, fixturedef: pytest.FixtureDef[Any]) -> None:
+        if fixturedef.scope != "function":
+            self.wider_fixture_ran = True
+
+    def check_gpus_for(self, item: pytest.Item) -> None:
+        """Fail if CUDA is unusable here; skip if the test needs more GPUs than visible."""
         if not self.cuda_checked_here:
             reason = gpus.cuda_unavailable_reason()
             if reason is not None:
@@ -186,7 +216,10 @@ class TorchTestingPlugin:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_teardown(self, item: pytest.Item):
-        result = yield
+        try:
+            result = yield
+        finally:
+            self.undo_fixture_changes()
         # Measured once the function-scoped fixtures are gone: a fixture's model that the
         # test moved to the GPU is freed by now, a tensor the test kept is not.
         allocated = item.stash.get(MEMORY_AT_CALL, None)
@@ -199,6 +232,11 @@ class TorchTestingPlugin:
             if leaks:
                 raise AfterTestCheckFailed("\n".join(leaks))
         return result
+
+    def undo_fixture_changes(self) -> None:
+        before, self.before_fixtures = self.before_fixtures, None
+        if before is not None and not self.wider_fixture_ran and global_state.snapshot() != before:
+            global_state.restore(before)
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, call: pytest.CallInfo[None]):
