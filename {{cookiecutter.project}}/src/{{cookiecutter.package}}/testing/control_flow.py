@@ -153,9 +153,10 @@ def describe_divergence(
 def user_location(frame: FrameType | None) -> str | None:
     """``file:line`` of the user's code running ``frame``, or of its nearest user caller.
 
-    Frames in torch are skipped. ``None`` when the first frame outside torch
-    belongs to this plugin or the stack ends: then no user code is between the
-    plugin and torch (an op torch's autograd engine runs on the plugin's behalf).
+    Frames in torch and the plugin's own torch function and dispatch modes are
+    skipped. ``None`` when the first other frame belongs to this plugin or the stack
+    ends: then no user code is between the plugin and torch (an op torch's autograd
+    engine runs on the plugin's behalf, or a module the plugin called directly).
     """
     while frame is not None:
         filename = frame.f_code.co_filename
