@@ -145,7 +145,14 @@ def test_dockerfile_copies_only_files_that_exist(project: Path):
 def test_pip_is_constrained_to_the_base_image_torch(project: Path):
     text = dockerfile(project)
     assert "ENV PIP_CONSTRAINT=/etc/pip/constraints.txt" in text
-    assert not re.search(r"pip install[^\n]*torch", text)
+    # torch is installed only in the nvidia/cuda flavor, from the index it names.
+    assert "ARG TORCH_INDEX_URL=\n" in text
+    assert "ARG TORCH_VERSION=2.9.1\n" in text
+    runs = re.findall(r"^RUN (?:.*\\\n)*.*", text, flags=re.MULTILINE)
+    installing_torch = [run for run in runs if re.search(r"pip install[^;]*torch==", run)]
+    assert len(installing_torch) == 1
+    assert installing_torch[0].startswith('RUN if [ -n "${TORCH_INDEX_URL}" ]; then')
+    assert '--index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"' in installing_torch[0]
 
 
 def test_dockerfile_passes_hadolint(project: Path):
@@ -208,6 +215,7 @@ def test_readme_explains_the_container(project: Path):
         '-v "$PWD":/workspace',
         "--gpus '\"device=0,1\"'",
         ">= 525.60.13",
+        '"TORCH_INDEX_URL": "https://download.pytorch.org/whl/cu128"',
         "Data and checkpoints",
     ):
         assert expected in readme, expected

@@ -14,14 +14,19 @@ once per xdist worker.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import http.server
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -330,6 +335,51 @@ def write_override(project: Path, base_image: str) -> Path:
     return override
 
 
+def without_torch(engine: Engine, base: str, context: Path) -> str:
+    """The stand-in without torch, like an nvidia/cuda image."""
+    context.mkdir()
+    (context / "Dockerfile").write_text(
+        f"FROM {base}\nRUN rm -rf /usr/local/lib/python3.11/dist-packages/*\n"
+    )
+    engine("build", "--network=none", "--tag", "standin-without-torch", context)
+    return "standin-without-torch"
+
+
+@contextlib.contextmanager
+def local_index(root: Path):
+    """A package index on 127.0.0.1 (PEP 503 layout) with the torch wheel and what it needs."""
+    downloads = root / "downloads"
+    run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--dest",
+            downloads,
+            torch_cpu_wheel(),
+        ],
+        timeout=900,
+    )
+    for file in downloads.iterdir():
+        project = re.sub(r"[-_.]+", "-", file.name.split("-")[0]).lower()
+        folder = root / "simple" / project
+        folder.mkdir(parents=True, exist_ok=True)
+        file.rename(folder / file.name)
+        with (folder / "index.html").open("a") as page:
+            page.write(f'<a href="{file.name}">{file.name}</a>\n')
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(root))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}/simple"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 def http_status(url: str) -> int:
     try:
         with urllib.request.urlopen(url, timeout=30) as response:
@@ -439,6 +489,27 @@ def test_devcontainer_end_to_end(
     logs = engine("logs", "plain-docker-run").stdout
     assert f"    Port {run_ssh_port}\n" in logs
     assert f"http://localhost:{run_jupyter_port}/lab?token=" in logs
+
+    # The nvidia/cuda flavor: a base without torch, which the build installs from
+    # TORCH_INDEX_URL (here a local index holding the CPU wheel and its dependencies).
+    flavor = bake_project(tmp_path / "flavor", jupyter=False)
+    bare = without_torch(engine, standin_image, tmp_path / "bare")
+    with local_index(tmp_path / "index") as index_url:
+        engine(
+            "build", "--network=host", "--tag", "flavor-e2e",
+            "--build-arg", f"BASE_IMAGE={bare}",
+            "--build-arg", f"TORCH_INDEX_URL={index_url}",
+            flavor / ".devcontainer",
+            timeout=1800,
+        )  # fmt: skip
+    installed = engine(
+        "run", "--rm", "--network=none", "--entrypoint", "python", "flavor-e2e", "-c",
+        "import torch; print(torch.__version__); print(torch.__file__); "
+        "print(open('/etc/pip/constraints.txt').read())",
+    ).stdout.split()  # fmt: skip
+    assert installed[0] == f"{TORCH_VERSION}+cpu"
+    assert installed[1].startswith("/usr/local/lib/python3.11/dist-packages/torch/")
+    assert installed[2] == f"torch=={TORCH_VERSION}+cpu"
 
     elapsed = time.monotonic() - started
     images = engine("images", "--format", "{{.Repository}} {{.Size}}").stdout
