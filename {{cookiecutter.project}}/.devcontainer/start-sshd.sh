@@ -55,16 +55,18 @@ for type in ed25519 rsa; do
 done
 
 # Only lines that ssh-keygen reads as public keys are authorized: the sources are
-# user-supplied text, and a stray line must not become an sshd option.
+# user-supplied text. Other lines are reported by number, never echoed (they may
+# be a private key pasted by mistake).
 authorized=$runtime/authorized_keys/$user
 add_keys() { # SOURCE-NAME < lines
-    local line
+    local line number=0
     while IFS= read -r line || [ -n "$line" ]; do
+        number=$((number + 1))
         case $line in "" | "#"*) continue ;; esac
         if ssh-keygen -l -f - <<<"$line" >/dev/null 2>&1; then
             printf '%s\n' "$line" >>"$authorized.new"
         else
-            echo "start-sshd: ignoring a line of $1 that is not a public key: ${line:0:40}..." >&2
+            echo "start-sshd: ignoring line $number of $1: not a public key" >&2
         fi
     done
 }
