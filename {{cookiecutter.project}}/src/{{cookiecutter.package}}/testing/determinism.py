@@ -274,22 +274,25 @@ def describe_tensor_difference(name: str, a: torch.Tensor, b: torch.Tensor, run:
     return f"{name}: " + ", ".join(parts)
 
 
-def _describe_difference(name: str, a: Any, b: Any, run: int) -> str | None:
-    """``None`` when ``a`` and ``b`` agree bit for bit, else one line saying how they differ."""
+def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return None if bitwise_equal(a, b) else describe_tensor_difference(name, a, b, run)
+        return bitwise_equal(a, b)
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return f"{name}: {_summary(a)} in run 1, {_summary(b)} in run {run}"
-    if type(a) is type(b) and repr(a) == repr(b):
-        return None
-    return f"{name}: {a!r} in run 1, {b!r} in run {run}"
+        return False
+    return type(a) is type(b) and repr(a) == repr(b)  # repr: NaN equals NaN, -0.0 is not 0.0
 
 
-def _summary(value: Any) -> str:
+def _describe_difference(name: str, a: Any, b: Any, run: int) -> str:
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return describe_tensor_difference(name, a, b, run)
+    return f"{name}: {_summary(name, a)} in run 1, {_summary(name, b)} in run {run}"
+
+
+def _summary(name: str, value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    if value is None:
-        return "None (no gradient: not reached by the backward pass)"
+    if value is None and name.startswith("grad of "):
+        return "None (the backward pass did not reach it)"
     return repr(value)
 
 
@@ -302,20 +305,10 @@ def _differences(
         if name not in reference or name not in other:
             where = "run 1" if name in reference else f"run {run}"
             found.append((name, f"{name}: present only in {where}"))
-            continue
-        a, b = reference[name], other[name]
-        if found:
-            same = (
-                bitwise_equal(a, b)
-                if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-                else _describe_difference(name, a, b, run) is None
-            )
-            if not same:
-                found.append((name, None))
-        else:
-            description = _describe_difference(name, a, b, run)
-            if description is not None:
-                found.append((name, description))
+        elif not _same(reference[name], other[name]):
+            first = not found
+            a, b = reference[name], other[name]
+            found.append((name, _describe_difference(name, a, b, run) if first else None))
     return found
 
 
@@ -462,11 +455,11 @@ class _Cotangents:
 
     def __init__(self, seed: int) -> None:
         self.seed = seed
-        self._cache: dict[tuple, torch.Tensor] = {}
+        self.samples: dict[tuple, torch.Tensor] = {}  # by (output name, shape, dtype, device)
 
     def __call__(self, name: str, output: torch.Tensor) -> torch.Tensor:
         key = (name, tuple(output.shape), output.dtype, output.device)
-        if key not in self._cache:
+        if key not in self.samples:
             generator = torch.Generator().manual_seed(self.seed + zlib.crc32(name.encode()))
             dtype = (
                 output.dtype
@@ -474,11 +467,8 @@ class _Cotangents:
                 else (torch.complex64 if output.is_complex() else torch.float32)
             )
             sample = torch.randn(output.shape, generator=generator, dtype=dtype)
-            self._cache[key] = sample.to(device=output.device, dtype=output.dtype)
-        return self._cache[key]
-
-    def state(self) -> dict[tuple, torch.Tensor]:
-        return self._cache
+            self.samples[key] = sample.to(device=output.device, dtype=output.dtype)
+        return self.samples[key]
 
 
 def _run_once(
@@ -586,7 +576,9 @@ class _ModuleStack:
     def _enter(self, module: nn.Module, args: Any) -> None:
         name = self._names.get(id(module))
         kind = type(module).__name__
-        self._stack.append(f"{name} ({kind})" if name else f"the model ({kind})" if name == "" else kind)
+        self._stack.append(
+            f"{name} ({kind})" if name else f"the model ({kind})" if name == "" else kind
+        )
 
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._stack:
@@ -682,10 +674,8 @@ class _OpRecorder(TorchDispatchMode):
 
 @dataclasses.dataclass
 class _RecordedRun:
-    result: _RunResult | None
     decisions: control_flow.DecisionLog
     recorder: _OpRecorder
-    error: _NondeterministicOpRaised | None = None
 
 
 def _recorded_run(subject: _Subject, cotangents: _Cotangents) -> _RecordedRun:
@@ -704,11 +694,9 @@ def _recorded_run(subject: _Subject, cotangents: _Cotangents) -> _RecordedRun:
             logs.append(decisions)
             yield
 
-    try:
-        result = _run_once(subject, cotangents, recording())
-    except _NondeterministicOpRaised as error:
-        return _RecordedRun(None, logs[0], recorder, error)
-    return _RecordedRun(result, logs[0], recorder)
+    with contextlib.suppress(_NondeterministicOpRaised):  # recorded as failed_site
+        _run_once(subject, cotangents, recording())
+    return _RecordedRun(logs[0], recorder)
 
 
 def _first_op_difference(a: list[_OpRecord], b: list[_OpRecord]) -> str | None:
@@ -827,9 +815,7 @@ def _result(subject: _Subject, run: _RunResult, runs: int) -> DeterminismResult:
     )
 
 
-def _mismatch_report(
-    differences: list[tuple[str, str | None]], run: int, runs: int, label: str
-) -> list[str]:
+def _mismatch_report(differences: list[tuple[str, str | None]], label: str) -> list[str]:
     first = differences[0][1]
     lines = [
         f"{label} differs from run 1 although both started from the same parameters, "
@@ -930,7 +916,7 @@ def check_determinism(
             del other  # freed before the next run, which then reuses its memory
             if differences:
                 label = f"Run {run} of {runs}" + (" (in a fresh process)" if in_child else "")
-                lines = _mismatch_report(differences, run, runs, label)
+                lines = _mismatch_report(differences, label)
                 if in_child:
                     lines.append(
                         "In-process runs agreed: the difference shows only across processes "
@@ -959,7 +945,7 @@ def _child_payload(subject: _Subject, cotangents: _Cotangents) -> bytes:
         "kwargs": subject.kwargs,
         "settings": start.settings,
         "rngs": {rng.name: rng.raw for rng in start.rngs},
-        "cotangents": cotangents.state(),
+        "cotangents": cotangents.samples,
         "cotangent_seed": cotangents.seed,
     }
     buffer = io.BytesIO()
@@ -1004,7 +990,7 @@ def _child_main(request: str, response: str) -> None:
             rng.set_state(payload["rngs"][rng.name])
     subject = _Subject(payload["target"], payload["args"], payload["kwargs"])
     cotangents = _Cotangents(payload["cotangent_seed"])
-    cotangents.state().update(payload["cotangents"])
+    cotangents.samples.update(payload["cotangents"])
     result = _run_once(subject, cotangents)
     torch.save({"outputs": result.outputs, "values": result.values}, response)
 
