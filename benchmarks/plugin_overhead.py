@@ -8,8 +8,9 @@ tests do not use torch; under 1 ms per test for the global-state check.
   for the package as generated, and for the same package with an ``__init__.py`` that
   imports the models lazily (PEP 562), which shows what the plugin itself costs.
 - per test: 1,000 trivial tests in a module that imports torch (so every test takes
-  the full snapshot of torch's state), with and without the plugin; and the cost of
-  one ``snapshot()`` + ``differences()`` measured in this process.
+  the full snapshot of torch's state), with and without the plugin, once without
+  fixtures and once with a function-scoped fixture; and the cost of one
+  ``snapshot()`` + ``differences()`` measured in this process.
 
 Every pytest session is a fresh process; the two sides alternate and the median of
 ``--repeats`` runs is compared, by wall clock and by CPU time (user + system of the
@@ -53,6 +54,20 @@ import torch
 @pytest.mark.parametrize("n", range({TRIVIAL_TESTS}))
 def test_trivial(n):
     assert n + 1 > n
+"""
+
+# The same with a function-scoped fixture: the state before it is snapshotted too.
+TORCH_FIXTURE_TESTS = f"""
+import pytest
+import torch
+
+@pytest.fixture
+def one():
+    return 1
+
+@pytest.mark.parametrize("n", range({TRIVIAL_TESTS}))
+def test_trivial(n, one):
+    assert n + one > n
 """
 
 LAZY_INIT = '''"""Dynamic PyTorch models (the models module is imported on first use)."""
@@ -174,11 +189,12 @@ def main() -> None:
             medians = compare(tests, env, args.repeats)
             rows.append((f"start-up, 20 torch-free tests ({label})", medians))
 
-        site = work / "site-as"
-        tests = work / "torch-tests"
-        tests.mkdir()
-        (tests / "test_trivial.py").write_text(TORCH_TESTS)
-        per_test = compare(tests, make_env(site), args.repeats)
+        per_test = {}
+        for label, source in (("", TORCH_TESTS), (", with a fixture", TORCH_FIXTURE_TESTS)):
+            tests = work / f"torch-tests{len(per_test)}"
+            tests.mkdir()
+            (tests / "test_trivial.py").write_text(source)
+            per_test[label] = compare(tests, make_env(work / "site-as"), args.repeats)
         snapshot_ms = snapshot_cost_ms(project / "src")
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -196,15 +212,21 @@ def main() -> None:
             f"{cpu_with:6.3f} / {wall_with:6.3f} "
             f"{cpu_with / cpu_without:11.2f}x {wall_with / wall_without:12.2f}x"
         )
-    (wall_with, cpu_with), (wall_without, cpu_without) = per_test["with"], per_test["without"]
-    print(
-        f"{f'{TRIVIAL_TESTS} trivial tests in a torch module':<48} "
-        f"{cpu_without:6.3f} / {wall_without:6.3f} {cpu_with:6.3f} / {wall_with:6.3f}"
-    )
+    costs = []
+    for label, medians in per_test.items():
+        (wall_with, cpu_with), (wall_without, cpu_without) = medians["with"], medians["without"]
+        print(
+            f"{f'{TRIVIAL_TESTS} trivial tests in a torch module{label}':<48} "
+            f"{cpu_without:6.3f} / {wall_without:6.3f} {cpu_with:6.3f} / {wall_with:6.3f}"
+        )
+        per_test_cpu = (cpu_with - cpu_without) / TRIVIAL_TESTS * 1000
+        per_test_wall = (wall_with - wall_without) / TRIVIAL_TESTS * 1000
+        costs.append(
+            f"plugin cost per test{label + ':':<18} {per_test_cpu:.3f} ms CPU, "
+            f"{per_test_wall:.3f} ms wall"
+        )
     print("(seconds: CPU / wall)\n")
-    per_test_cpu = (cpu_with - cpu_without) / TRIVIAL_TESTS * 1000
-    per_test_wall = (wall_with - wall_without) / TRIVIAL_TESTS * 1000
-    print(f"plugin cost per test:         {per_test_cpu:.3f} ms CPU, {per_test_wall:.3f} ms wall")
+    print("\n".join(costs))
     print(f"snapshot() + differences():   {snapshot_ms:.3f} ms (best of 5 x 2000, in process)")
     print(f"targets: start-up <= {START_UP_TARGET}x, per test < {PER_TEST_TARGET_MS} ms")
 
