@@ -636,7 +636,13 @@ def test_two_gpus():
 
 @pytest.fixture
 def fake_cuda_runtime(gpus, monkeypatch):
-    """One fake GPU for in-process sessions: nothing reaches a CUDA driver."""
+    """One fake GPU for in-process sessions: nothing reaches a CUDA driver.
+
+    Returns the device indices the plugin warmed up, in order.
+    """
+    plugin = importlib.import_module(PLUGIN_MODULE)
+    warmed_up = []
+    monkeypatch.setattr(plugin, "warm_up_device", warmed_up.append)
     monkeypatch.setattr(gpus, "cuda_unavailable_reason", lambda **_: None)
     monkeypatch.setattr(torch.cuda, "fake_allocated", [0], raising=False)
     monkeypatch.setattr(torch.cuda, "fake_pending_error", [None], raising=False)
@@ -656,6 +662,7 @@ def fake_cuda_runtime(gpus, monkeypatch):
         "get_device_properties",
         lambda index: SimpleNamespace(name="Fake GPU", total_memory=80 * 2**30, major=9, minor=0),
     )
+    return warmed_up
 
 
 def test_after_test_checks_of_gpu_tests(plugin_pytester, fake_cuda_runtime):
@@ -663,6 +670,7 @@ def test_after_test_checks_of_gpu_tests(plugin_pytester, fake_cuda_runtime):
     result = plugin_pytester.runpytest("-p", PLUGIN_MODULE, "--gpu", "-rsE", "-p", "no:randomly")
     result.assert_outcomes(passed=4, failed=2, errors=1, skipped=1)
     assert torch.cuda.fake_allocated == [4096 + 10]  # only what KEPT holds
+    assert fake_cuda_runtime == [0]  # once, before the first GPU test is measured
     result.stdout.fnmatch_lines(
         [
             "GPU tests: on; torch *",

@@ -62,6 +62,7 @@ class TorchTestingPlugin:
         self.gpu_infos: list[gpus.GpuInfo] = []
         self.driver: str | None = None
         self.cuda_checked_here = False
+        self.warmed_up: set[int] = set()
         self.in_setup = False
         self.before_fixtures: global_state.GlobalState | None = None
         self.wider_fixture_ran = False
@@ -176,6 +177,10 @@ class TorchTestingPlugin:
                 f"needs {needed} GPUs, {visible} visible to this test process "
                 f"({VISIBLE_DEVICES}={os.environ.get(VISIBLE_DEVICES, '<unset>')}){hint}"
             )
+        for index in range(needed):
+            if index not in self.warmed_up:
+                warm_up_device(index)
+                self.warmed_up.add(index)
 
     @pytest.fixture
     def gpu(self) -> Any:
@@ -330,6 +335,16 @@ def gpu_report_lines(
             f"caller's {VISIBLE_DEVICES} and uses its first GPU"
         )
     return lines
+
+
+def warm_up_device(index: int) -> None:
+    """Make CUDA allocate what it keeps for the process's lifetime on this device (the
+    context, the RNG's state), so the first GPU test's memory check does not count it.
+    """
+    import torch
+
+    with torch.random.fork_rng(devices=[index]):
+        torch.randn(1, device=torch.device("cuda", index))
 
 
 def cuda_memory_allocated(devices: int) -> list[int]:
