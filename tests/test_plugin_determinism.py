@@ -7,7 +7,9 @@ failure messages. Helpers that are plain functions are tested directly.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import os
 import re
 from pathlib import Path
 
@@ -587,6 +589,33 @@ def test_cublas_workspace_action(package, version, cuda_built, initialized, conf
     assert determinism.cublas_workspace_action(version, cuda_built, initialized, configured) == (
         action
     )
+
+
+@pytest.mark.parametrize("cuda_started", [False, True])
+def test_deterministic_mode_sets_cublas_workspace_for_older_torch(
+    package, monkeypatch: pytest.MonkeyPatch, cuda_started: bool
+) -> None:
+    determinism = package("determinism")
+    monkeypatch.setattr(torch, "__version__", "2.9.1+cu128")
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: cuda_started)
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    warns = pytest.warns(UserWarning, match="CUDA had already started")
+    with warns if cuda_started else contextlib.nullcontext(), determinism.deterministic_mode():
+        assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
+        assert torch.are_deterministic_algorithms_enabled()
+    assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
+    assert not torch.are_deterministic_algorithms_enabled()
+
+
+def test_deterministic_mode_leaves_cublas_workspace_alone_on_current_torch(
+    package, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    determinism = package("determinism")
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    with determinism.deterministic_mode():
+        assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ
 
 
 def test_bitwise_equal_keeps_nan_and_signed_zero_apart(package) -> None:

@@ -82,7 +82,8 @@ def cublas_workspace_action(
 
     ``None``: nothing (torch no longer checks it, no CUDA, or it is already set to a
     deterministic value). ``"set"``: set it now, CUDA has not started yet.
-    ``"too late"``: it is needed but CUDA, and so possibly cuBLAS, already started.
+    ``"too late"``: set it, and warn: CUDA already started, and if cuBLAS ran too, its
+    handle keeps the workspace it was created with.
     """
     if not cuda_built or configured in DETERMINISTIC_CUBLAS_CONFIGS:
         return None
@@ -98,15 +99,15 @@ def _configure_cublas_workspace() -> None:
         torch.cuda.is_initialized(),
         os.environ.get(CUBLAS_WORKSPACE_VARIABLE),
     )
-    if action == "set":
+    if action is not None:
         os.environ[CUBLAS_WORKSPACE_VARIABLE] = DETERMINISTIC_CUBLAS_CONFIGS[0]
-    elif action == "too late":
+    if action == "too late":
         warnings.warn(
             f"torch {torch.__version__} needs {CUBLAS_WORKSPACE_VARIABLE}="
             f"{DETERMINISTIC_CUBLAS_CONFIGS[0]} (or {DETERMINISTIC_CUBLAS_CONFIGS[1]}) before "
-            "cuBLAS starts, but CUDA was already initialized when the autograd_determinism "
-            "fixture started, so cuBLAS matmuls may raise or be nondeterministic. Set it in "
-            f"the environment that runs pytest: {CUBLAS_WORKSPACE_VARIABLE}="
+            "cuBLAS starts, and CUDA had already started when the autograd_determinism "
+            "fixture set it: if cuBLAS ran before, matmuls may stay nondeterministic. Set it "
+            f"in the environment that runs pytest: {CUBLAS_WORKSPACE_VARIABLE}="
             f"{DETERMINISTIC_CUBLAS_CONFIGS[0]} pytest ...",
             stacklevel=3,
         )
