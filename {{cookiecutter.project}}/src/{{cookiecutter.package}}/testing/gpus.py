@@ -219,18 +219,21 @@ def diagnose_cuda(
     return None
 
 
-def cuda_unavailable_reason(*, initialize: bool = True) -> str | None:
+def cuda_unavailable_reason(
+    *, initialize: bool = True, known_gpus: Sequence[GpuInfo] | None = None
+) -> str | None:
     """None if CUDA is usable in this process, else one sentence naming the cause.
 
     With ``initialize=False`` the answer comes from the driver and ``nvidia-smi``
     only and CUDA is not initialized: what a test controller whose workers will use
-    the GPUs needs. Then None means "nothing known to be wrong".
+    the GPUs needs. Then None means "nothing known to be wrong". ``known_gpus`` is
+    what :func:`query_gpus` already returned, to save running ``nvidia-smi`` again.
     """
     import torch
 
     if initialize and torch.cuda.is_available():
         return None
-    gpus = query_gpus()
+    gpus = list(known_gpus) if known_gpus is not None else query_gpus()
     driver = driver_version()
     reason = diagnose_cuda(
         torch_version=torch.__version__,

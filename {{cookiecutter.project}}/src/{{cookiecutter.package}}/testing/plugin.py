@@ -59,7 +59,7 @@ class TorchTestingPlugin:
         self.in_worker = False
         self.visible: list[str] = []
         self.worker_devices: list[str] = []
-        self.gpu_infos: list[gpus.GpuInfo] = []
+        self.queried_gpus: list[gpus.GpuInfo] | None = None
         self.driver: str | None = None
         self.cuda_checked_here = False
         self.warmed_up: set[int] = set()
@@ -106,22 +106,29 @@ class TorchTestingPlugin:
         self.distributed = config.getoption("dist", "no") != "no" and bool(
             config.getoption("tx", None)
         )
-        reason = gpus.cuda_unavailable_reason(initialize=not self.distributed)
+        reason = gpus.cuda_unavailable_reason(
+            initialize=not self.distributed, known_gpus=self.machine_gpus()
+        )
         if reason is not None:
             raise pytest.UsageError(f"--gpu was given, but CUDA is not usable: {reason}")
         self.cuda_checked_here = not self.distributed
-        self.gpu_infos = gpus.query_gpus()
         self.driver = gpus.driver_version()
-        self.visible = gpus.visible_devices(os.environ.get(VISIBLE_DEVICES), self.gpu_infos)
+        self.visible = gpus.visible_devices(os.environ.get(VISIBLE_DEVICES), self.machine_gpus())
         if self.distributed and self.visible:
             workers = xdist_worker_count(config.getoption("tx"))
             self.worker_devices = gpus.assign_devices(self.visible, workers)
+
+    def machine_gpus(self) -> list[gpus.GpuInfo]:
+        """The GPUs ``nvidia-smi`` lists, asked once per session (it takes a while)."""
+        if self.queried_gpus is None:
+            self.queried_gpus = gpus.query_gpus()
+        return self.queried_gpus
 
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
         if not self.gpu_enabled:
             return ["GPU tests: skipped (run pytest --gpu to run them)"]
         return gpu_report_lines(
-            self.driver, self.gpu_infos, self.visible, self.worker_devices, self.distributed
+            self.driver, self.machine_gpus(), self.visible, self.worker_devices, self.distributed
         )
 
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
@@ -261,7 +268,7 @@ class XdistHooks:
     def pytest_xdist_auto_num_workers(self, config: pytest.Config) -> int | None:
         if not config.getoption("gpu") or os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
             return None  # the user's own choice wins
-        visible = gpus.visible_devices(os.environ.get(VISIBLE_DEVICES), gpus.query_gpus())
+        visible = gpus.visible_devices(os.environ.get(VISIBLE_DEVICES), self.plugin.machine_gpus())
         return len(visible) or None
 
     def pytest_xdist_setupnodes(self, specs: list[Any]) -> None:
