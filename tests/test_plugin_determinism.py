@@ -152,6 +152,24 @@ def test_frozen_parameters_and_assigned_buffers_are_restored(autograd_determinis
         assert torch.equal(value, start[name]), name
 
 
+def test_grad_attributes_and_their_hooks_are_left_alone(autograd_determinism):
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    steps = []
+
+    def step_in_backward(parameter):  # the "optimizer step in backward" pattern
+        steps.append(parameter)
+        optimizer.step()
+
+    for parameter in model.parameters():
+        parameter.register_post_accumulate_grad_hook(step_in_backward)
+    model.weight.grad = torch.ones_like(model.weight)
+    autograd_determinism(model, torch.randn(3, 4))
+    assert steps == []
+    assert torch.equal(model.weight.grad, torch.ones_like(model.weight))
+    assert model.bias.grad is None
+
+
 def test_fixture_turns_on_deterministic_settings(autograd_determinism):
     assert torch.are_deterministic_algorithms_enabled()
     assert not torch.is_deterministic_algorithms_warn_only_enabled()
@@ -162,7 +180,7 @@ def test_fixture_turns_on_deterministic_settings(autograd_determinism):
 
 def test_reproducible_models_pass(plugin_pytester: pytest.Pytester) -> None:
     result = run_session(plugin_pytester, PASSING)
-    result.assert_outcomes(passed=10)
+    result.assert_outcomes(passed=11)
 
 
 FAILING = """

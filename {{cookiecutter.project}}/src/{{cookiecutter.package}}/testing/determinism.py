@@ -482,9 +482,10 @@ def _run_once(
     args, kwargs, differentiated_inputs = subject.fresh_inputs()
     try:
         with recording or contextlib.nullcontext():
-            outputs, leaves, wrt, grads = _forward_backward(
-                subject, cotangents, args, kwargs, differentiated_inputs
-            )
+            outputs = subject.target(*args, **kwargs)
+            leaves = list(_named_leaves(outputs, "output"))
+            wrt = [*subject.parameters, *differentiated_inputs]
+            grads = _gradients(leaves, wrt, cotangents)
     except RuntimeError as error:
         if NO_DETERMINISTIC_IMPLEMENTATION in str(error) or CUBLAS_NOT_DETERMINISTIC in str(error):
             raise _NondeterministicOpRaised(error) from error
@@ -494,20 +495,20 @@ def _run_once(
         for name, leaf in leaves
         if _comparable(leaf)
     }
-    values.update((f"grad of {name}", grad) for (name, _), grad in zip(wrt, grads, strict=True))
+    values.update(grads)
     values.update(subject.changed_buffers())
     return _RunResult(_map_tensors(outputs, torch.Tensor.detach), values)
 
 
-def _forward_backward(
-    subject: _Subject,
-    cotangents: _Cotangents,
-    args: tuple,
-    kwargs: dict[str, Any],
-    differentiated_inputs: list[tuple[str, torch.Tensor]],
-) -> tuple[Any, list[tuple[str, Any]], list[tuple[str, torch.Tensor]], tuple]:
-    outputs = subject.target(*args, **kwargs)
-    leaves = list(_named_leaves(outputs, "output"))
+def _gradients(
+    leaves: list[tuple[str, Any]], wrt: list[tuple[str, torch.Tensor]], cotangents: _Cotangents
+) -> dict[str, torch.Tensor | None]:
+    """``grad of <name>`` for each tensor in ``wrt``: the cotangents pulled back to it.
+
+    ``torch.autograd.grad`` leaves ``.grad`` alone and runs no post-accumulate hooks
+    (an optimizer step in a hook would otherwise change the model mid-check).
+    """
+    names = [f"grad of {name}" for name, _ in wrt]
     differentiable = [
         (name, t)
         for name, t in leaves
@@ -515,16 +516,15 @@ def _forward_backward(
         and t.requires_grad
         and (t.is_floating_point() or t.is_complex())
     ]
-    wrt = [*subject.parameters, *differentiated_inputs]
-    grads: tuple[torch.Tensor | None, ...] = (None,) * len(wrt)
-    if differentiable and wrt:
-        grads = torch.autograd.grad(
-            [t for _, t in differentiable],
-            [t for _, t in wrt],
-            [cotangents(name, t) for name, t in differentiable],
-            allow_unused=True,
-        )
-    return outputs, leaves, wrt, grads
+    if not differentiable or not wrt:
+        return dict.fromkeys(names)
+    grads = torch.autograd.grad(
+        [t for _, t in differentiable],
+        [t for _, t in wrt],
+        [cotangents(name, t) for name, t in differentiable],
+        allow_unused=True,
+    )
+    return dict(zip(names, grads, strict=True))
 
 
 class _NondeterministicOpRaised(Exception):
