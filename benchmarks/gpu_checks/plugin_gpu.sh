@@ -105,12 +105,12 @@ EOF
 expect "pytest --gpu" 0 \
     "GPU tests: on; torch .*CUDA runtime [0-9.]+, NVIDIA driver [0-9.]+, cuDNN [0-9]+" \
     "GPU 0: .*GiB, compute capability" "passed" "controller initialized CUDA: True" \
-    -- "${run_pytest[@]}" --gpu -rs
+    -- "${run_pytest[@]}" --gpu -rs tests/test_gpu.py tests/test_models.py
 
 expect "pytest --gpu -n 2, both workers on GPU 0" 0 \
     "xdist workers \(CUDA_VISIBLE_DEVICES\): gw0 -> 0, gw1 -> 0" \
     "needs 2 GPUs, 1 visible to this test process" "controller initialized CUDA: False" \
-    -- env CUDA_VISIBLE_DEVICES=0 "${run_pytest[@]}" --gpu -n 2 -rs
+    -- env CUDA_VISIBLE_DEVICES=0 "${run_pytest[@]}" --gpu -n 2 -rs tests/test_gpu.py tests/test_models.py
 
 expect "planted leak and reseed caught, clean GPU tests pass" 1 \
     "1 failed, 4 passed, 1 error" \
@@ -126,11 +126,11 @@ expect "asynchronous CUDA error fails the test that caused it" 1 \
 
 expect "--gpu with CUDA_VISIBLE_DEVICES='' is a usage error" 4 \
     "CUDA_VISIBLE_DEVICES='' hides every GPU" \
-    -- env CUDA_VISIBLE_DEVICES= "${run_pytest[@]}" --gpu
+    -- env CUDA_VISIBLE_DEVICES= "${run_pytest[@]}" --gpu tests/test_gpu.py
 
 expect "--gpu -n 2 with CUDA_VISIBLE_DEVICES='' is a usage error" 4 \
     "CUDA_VISIBLE_DEVICES='' hides every GPU" \
-    -- env CUDA_VISIBLE_DEVICES= "${run_pytest[@]}" --gpu -n 2
+    -- env CUDA_VISIBLE_DEVICES= "${run_pytest[@]}" --gpu -n 2 tests/test_gpu.py
 
 if [ $failed -eq 0 ]; then echo "ALL PLUGIN GPU CHECKS PASSED"; else echo "SOME PLUGIN GPU CHECKS FAILED"; fi
 exit $failed
