@@ -531,11 +531,6 @@ sys.meta_path.insert(0, BlockTorch())
 """
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the generated package's __init__.py imports models (and torch) eagerly; "
-    "the plugin's own modules do not",
-)
 def test_loading_the_plugin_imports_no_torch(default_project):
     code = BLOCK_TORCH + f"import {PLUGIN_MODULE}\nassert 'torch' not in sys.modules\n"
     result = subprocess.run(

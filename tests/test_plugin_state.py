@@ -385,11 +385,6 @@ def test_isolation_is_quiet_for_clean_tests(plugin_pytester):
     result.assert_outcomes(passed=2)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the generated package's __init__.py imports models (and torch) eagerly; "
-    "the plugin's own modules do not",
-)
 def test_torch_free_suite_never_imports_torch(plugin_pytester):
     plugin_pytester.makeconftest(
         "import sys\n\n"
