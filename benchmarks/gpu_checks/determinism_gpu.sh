@@ -1,42 +1,29 @@
 #!/usr/bin/env bash
 # GPU checks of the autograd_determinism fixture (issue 4), on a machine with an
-# NVIDIA GPU and a CUDA build of torch. Run from anywhere:
+# NVIDIA GPU.
 #
-#   bash benchmarks/gpu_checks/determinism_gpu.sh        # PYTHON=... to pick the interpreter
+#   bash benchmarks/gpu_checks/determinism_gpu.sh      # from the template repository root
 #
-# Bakes the default project (cookiecutter if installed; else the plugin's src is
-# used as it is, which is what the template copies unrendered), writes GPU test
-# cases next to the generated tests and runs them with pytest --gpu -s, so the
-# reports the fixture prints are in the output. Takes well under two minutes.
-#
+# Needs a CUDA build of torch and pytest in $PYTHON (default: python3). No network:
+# bakes the default project (bake.sh), writes GPU cases next to the generated
+# tests/test_determinism.py and runs both with pytest --gpu -s. Under 2 minutes.
 # Expected: every test passes. The "report" tests pass when the fixture raised the
 # right error; its text is printed between ----- lines (paste it into the issue).
 set -euo pipefail
 
-PYTHON=${PYTHON:-python3}
-template=$(cd "$(dirname "$0")/../.." && pwd)
+python=${PYTHON:-python3}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+# shellcheck source=benchmarks/gpu_checks/bake.sh
+source "$(dirname "$0")/bake.sh"
 
-"$PYTHON" - <<'EOF'
+"$python" - <<'EOF'
 import torch
 assert torch.cuda.is_available(), f"torch {torch.__version__}: CUDA is not available"
 print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}")
 EOF
 
-if "$PYTHON" -c "import cookiecutter" 2>/dev/null; then
-    "$PYTHON" -m cookiecutter --no-input --output-dir "$work" "$template" >/dev/null
-    project="$work/dynamic-model"
-else
-    echo "cookiecutter is not installed: using the template's src folder directly"
-    project="$work/dynamic-model"
-    mkdir -p "$project/src" "$project/tests"
-    ln -s "$template/{{cookiecutter.project}}/src/{{cookiecutter.package}}" \
-        "$project/src/dynamic_model"
-    sed 's/{{ cookiecutter.package }}/dynamic_model/' \
-        "$template/{{cookiecutter.project}}/tests/test_determinism.py" \
-        >"$project/tests/test_determinism.py"
-fi
+project=$(bake_project "$work" test_determinism.py)
 
 cat >"$project/tests/test_determinism_gpu.py" <<'EOF'
 """GPU cases of autograd_determinism: pass on CUDA, index_add_/scatter_add_, clear reports."""
@@ -156,6 +143,6 @@ def test_atomic_adds_in_backward_are_found_when_deterministic_mode_is_off(
 EOF
 
 cd "$project"
-export PYTHONPATH="$project/src${PYTHONPATH:+:$PYTHONPATH}"
-timeout 300 "$PYTHON" -m pytest -p dynamic_model.testing.plugin -p no:cacheprovider --gpu -s -rA \
+export PYTHONPATH="$project/src"
+timeout 300 "$python" -m pytest -p dynamic_model.testing.plugin -p no:cacheprovider --gpu -s -rA \
     tests/test_determinism_gpu.py tests/test_determinism.py
