@@ -560,7 +560,9 @@ def test_cross_process_run(plugin_pytester: pytest.Pytester, monkeypatch) -> Non
     result.assert_outcomes(passed=1, failed=2)
     text = failure_section(result, "test_cross_process_difference")
     assert "Run 3 of 3 (in a fresh process) differs from run 1" in text
-    assert "the difference shows only across processes" in text
+    assert (
+        "the in-process runs agreed, so the cause is state that differs between processes" in text
+    )
     text = failure_section(result, "test_cross_process_needs_picklable_models")
     assert "TypeError: cross_process=True sends the model or function" in text
     assert "module level" in text

@@ -381,6 +381,7 @@ class _Subject:
                 if slot.tensor._version == self._versions[position]:
                     continue
                 if slot.saved is None:
+                    self._versions[position] = slot.tensor._version  # reported once
                     raise DeterminismError(
                         f"The forward changed the trainable parameter {slot.name} in place "
                         "(under torch.no_grad() or through .data), so the next run cannot "
@@ -919,9 +920,11 @@ def check_determinism(
                 label = f"Run {run} of {runs}" + (" (in a fresh process)" if in_child else "")
                 lines = _mismatch_report(differences, label)
                 if in_child:
+                    agreed = "the in-process runs agreed, so " if runs > 2 else ""
                     lines.append(
-                        "In-process runs agreed: the difference shows only across processes "
-                        "(thread pools, memory addresses, hash seeds, lazily initialized state)."
+                        f"Only the run in a fresh process differs: {agreed}the cause is state "
+                        "that differs between processes (thread pools, memory addresses, hash "
+                        "seeds, lazily initialized state)."
                     )
                 else:
                     lines.extend(_localize(subject, cotangents, attempts=max(runs, 3)))
