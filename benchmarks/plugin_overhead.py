@@ -4,9 +4,7 @@ Targets: pytest start-up with the plugin at most 1.05x without it, on a project 
 tests do not use torch; under 1 ms per test for the global-state check.
 
 - start-up: ``pytest`` on 20 trivial torch-free tests, with the plugin loaded through
-  its ``pytest11`` entry point and without it (``-p no:<package>``). Measured twice:
-  for the package as generated, and for the same package with an ``__init__.py`` that
-  imports the models lazily (PEP 562), which shows what the plugin itself costs.
+  its ``pytest11`` entry point and without it (``-p no:<package>``).
 - per test: 1,000 trivial tests in a module that imports torch (so every test takes
   the full snapshot of torch's state), with and without the plugin, once without
   fixtures and once with a function-scoped fixture; and the cost of one
@@ -69,17 +67,6 @@ def one():
 def test_trivial(n, one):
     assert n + one > n
 """
-
-LAZY_INIT = '''"""Dynamic PyTorch models (the models module is imported on first use)."""
-
-import importlib
-
-
-def __getattr__(name):
-    if name.startswith("__"):
-        raise AttributeError(name)
-    return getattr(importlib.import_module(".models", __name__), name)
-'''
 
 
 def bake(output: Path) -> Path:
@@ -173,28 +160,21 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="plugin-overhead-"))
     try:
         project = bake(work / "baked")
-        lazy_src = work / "lazy" / "src"
-        shutil.copytree(project / "src", lazy_src)
-        (lazy_src / PACKAGE / "__init__.py").write_text(LAZY_INIT)
-
-        rows = []
-        for label, src in (("as generated", project / "src"), ("lazy __init__", lazy_src)):
-            site = work / f"site-{label.split()[0]}"
-            install_entry_point(site, src)
-            env = make_env(site)
-            tests = work / f"torch-free-{label.split()[0]}"
-            tests.mkdir()
-            (tests / "test_trivial.py").write_text(TORCH_FREE_TESTS)
-            check_plugin_loaded(tests, env)
-            medians = compare(tests, env, args.repeats)
-            rows.append((f"start-up, 20 torch-free tests ({label})", medians))
+        site = work / "site"
+        install_entry_point(site, project / "src")
+        env = make_env(site)
+        tests = work / "torch-free"
+        tests.mkdir()
+        (tests / "test_trivial.py").write_text(TORCH_FREE_TESTS)
+        check_plugin_loaded(tests, env)
+        rows = [("start-up, 20 torch-free tests", compare(tests, env, args.repeats))]
 
         per_test = {}
         for label, source in (("", TORCH_TESTS), (", with a fixture", TORCH_FIXTURE_TESTS)):
             tests = work / f"torch-tests{len(per_test)}"
             tests.mkdir()
             (tests / "test_trivial.py").write_text(source)
-            per_test[label] = compare(tests, make_env(work / "site-as"), args.repeats)
+            per_test[label] = compare(tests, env, args.repeats)
         snapshot_ms = snapshot_cost_ms(project / "src")
     finally:
         shutil.rmtree(work, ignore_errors=True)
