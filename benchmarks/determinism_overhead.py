@@ -24,21 +24,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent
+from baking import use_generated_src
+
 TARGET_RATIO = 1.15
-
-
-def generated_src(src: str | None) -> Path:
-    if src:
-        return Path(src)
-    from cookiecutter.main import cookiecutter
-
-    output = tempfile.mkdtemp(prefix="determinism-benchmark-")
-    return Path(cookiecutter(str(TEMPLATE_DIR), no_input=True, output_dir=output)) / "src"
 
 
 def models(batch: int):
@@ -89,7 +79,7 @@ def main() -> int:
     )
     parser.add_argument("--src", help="a generated project's src folder (default: bake one)")
     arguments = parser.parse_args()
-    sys.path.insert(0, str(generated_src(arguments.src)))
+    use_generated_src(arguments.src)
     import torch
     from dynamic_model.testing.determinism import check_determinism, deterministic_mode
 

@@ -20,11 +20,9 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
-from cookiecutter.main import cookiecutter
+from baking import bake_default
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent
 TARGET_S = 5.0
 
 
@@ -44,7 +42,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as work:
-        project = Path(cookiecutter(str(TEMPLATE_DIR), no_input=True, output_dir=work))
+        project = bake_default(work)
         env = {**os.environ, "PYTHONPATH": str(project / "src")}
         for name in ("PROJECT_SSH_PORT", "PROJECT_JUPYTER_PORT"):
             env.pop(name, None)

@@ -25,22 +25,12 @@ import argparse
 import copy
 import math
 import sys
-import tempfile
 import time
-from pathlib import Path
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent
+from baking import use_generated_src
+
 TARGET_RATIO = 1.10
 SIZES = (1_000, 10_000, 100_000, 1_000_000)
-
-
-def generated_src(src: str | None) -> Path:
-    if src:
-        return Path(src)
-    from cookiecutter.main import cookiecutter
-
-    output = tempfile.mkdtemp(prefix="gradcheck-benchmark-")
-    return Path(cookiecutter(str(TEMPLATE_DIR), no_input=True, output_dir=output)) / "src"
 
 
 def mlp(parameters: int, inputs: int = 16):
@@ -142,8 +132,7 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--src", help="a generated project's src folder (default: bake one)")
     args = parser.parse_args()
-    src = generated_src(args.src)  # before sys.path is looked up: baking replaces sys.path
-    sys.path.insert(0, str(src))
+    use_generated_src(args.src)
     import torch
     from dynamic_model.testing.gradcheck import gradcheck
 

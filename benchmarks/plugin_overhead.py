@@ -31,7 +31,8 @@ import time
 import timeit
 from pathlib import Path
 
-TEMPLATE_DIR = Path(__file__).resolve().parent.parent
+from baking import bake_default
+
 PACKAGE = "dynamic_model"
 START_UP_TARGET = 1.05
 PER_TEST_TARGET_MS = 1.0
@@ -67,12 +68,6 @@ def one():
 def test_trivial(n, one):
     assert n + one > n
 """
-
-
-def bake(output: Path) -> Path:
-    from cookiecutter.main import cookiecutter
-
-    return Path(cookiecutter(str(TEMPLATE_DIR), no_input=True, output_dir=str(output)))
 
 
 def install_entry_point(site: Path, src: Path) -> None:
@@ -159,7 +154,7 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="plugin-overhead-"))
     try:
-        project = bake(work / "baked")
+        project = bake_default(work / "baked")
         site = work / "site"
         install_entry_point(site, project / "src")
         env = make_env(site)
