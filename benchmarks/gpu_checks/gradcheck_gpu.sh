@@ -14,18 +14,11 @@
 set -uo pipefail
 
 python=${PYTHON:-python3}
-root=$(pwd)
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-project="$work/dynamic-model"
-if "$python" -c "import cookiecutter" 2>/dev/null; then
-    "$python" -m cookiecutter --no-input --output-dir "$work" "$root" >/dev/null || exit 1
-else
-    mkdir -p "$project/src" "$project/tests"
-    cp -r "$root/{{cookiecutter.project}}/src/{{cookiecutter.package}}" "$project/src/dynamic_model"
-    sed 's/{{ cookiecutter.package }}/dynamic_model/g' \
-        "$root/{{cookiecutter.project}}/tests/test_gradients.py" >"$project/tests/test_gradients.py"
-fi
+# shellcheck source=benchmarks/gpu_checks/bake.sh
+source "$(dirname "$0")/bake.sh"
+project=$(bake_project "$work" test_gradients.py) || exit 1
 
 cat >"$project/tests/test_gradcheck_gpu.py" <<'EOF'
 import pytest

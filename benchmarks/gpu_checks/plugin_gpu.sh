@@ -3,7 +3,7 @@
 #
 #   bash benchmarks/gpu_checks/plugin_gpu.sh      # from the template repository root
 #
-# Needs a CUDA build of torch, pytest, pytest-xdist and cookiecutter in $PYTHON
+# Needs a CUDA build of torch, pytest and pytest-xdist in $PYTHON
 # (default: python). No network: the baked project is used from its src folder with
 # `-p dynamic_model.testing.plugin` instead of being installed. About a minute.
 # Checks: pytest --gpu; pytest --gpu -n 2 with both workers on one GPU (and the
@@ -15,8 +15,9 @@ set -uo pipefail
 python=${PYTHON:-python}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-"$python" -m cookiecutter --no-input --output-dir "$work" . >/dev/null || exit 1
-project="$work/dynamic-model"
+# shellcheck source=benchmarks/gpu_checks/bake.sh
+source "$(dirname "$0")/bake.sh"
+project=$(bake_project "$work" test_gpu.py test_models.py) || exit 1
 export PYTHONPATH="$project/src${PYTHONPATH:+:$PYTHONPATH}"
 failed=0
 
