@@ -19,6 +19,7 @@ trap 'rm -rf "$work"' EXIT
 # shellcheck source=benchmarks/gpu_checks/bake.sh
 source "$(dirname "$0")/bake.sh"
 project=$(bake_project "$work" test_gradients.py) || exit 1
+export PYTHONPATH="$project/src${PYTHONPATH:+:$PYTHONPATH}"
 
 cat >"$project/tests/test_gradcheck_gpu.py" <<'EOF'
 import pytest
