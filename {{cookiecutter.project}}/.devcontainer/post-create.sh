@@ -18,6 +18,10 @@ else
         "installed yet; after 'git init' run: pre-commit install"
 fi
 
+# postStartCommand starts the services after this script; start them now (both
+# scripts leave running services alone) so the doctor's SSH and Jupyter checks pass
+# on the first creation too.
+start-services
 if ! {{ cookiecutter.package }}-doctor; then
     echo "post-create: {{ cookiecutter.package }}-doctor reported problems (above); the container" \
         "works, but fix them before relying on the GPU" >&2

@@ -195,7 +195,7 @@ def diagnose_cuda(
     if cuda_runtime is None:
         return (
             f"torch {torch_version} is a CPU-only build (torch.version.cuda is None): "
-            "install a CUDA build of torch to run GPU tests"
+            "install a CUDA build of torch to use a GPU"
         )
     if driver is None:
         return (
