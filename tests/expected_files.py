@@ -46,7 +46,6 @@ BASE_FILES = frozenset(
         "src/{package}/train.py",
         "tests/test_commands.py",
         "tests/test_determinism.py",
-        "tests/test_determinism.py",
         "tests/test_gpu.py",
         "tests/test_gradients.py",
         "tests/test_models.py",
