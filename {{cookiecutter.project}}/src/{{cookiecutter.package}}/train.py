@@ -23,6 +23,7 @@ reduction in the prior iteration").
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import re
@@ -456,6 +457,9 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         if launch.torchrun:
+            # DDP's reducer sits in reference cycles: collect it while the process group
+            # and the interpreter are alive, or gloo's threads die at interpreter exit.
+            gc.collect()
             dist.destroy_process_group()
     if launch.rank == 0:
         where = str(device)
