@@ -18,7 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import DEFAULT_PACKAGE, PLUGIN_MODULE, ProjectEnv
+from conftest import DEFAULT_PACKAGE, PLUGIN_MODULE, ProjectEnv, module_environment
 
 USAGE_ERROR = 4
 H200 = "NVIDIA H200"
@@ -536,7 +536,7 @@ def test_loading_the_plugin_imports_no_torch(default_project):
     result = subprocess.run(
         [sys.executable, "-c", code],
         cwd=default_project,
-        env={**os.environ, "PYTHONPATH": str(default_project / "src")},
+        env=module_environment(default_project),
         capture_output=True,
         text=True,
     )
