@@ -125,7 +125,7 @@ def test_user_lifecycle_and_editor(project: Path):
     assert vscode["settings"]["python.testing.pytestEnabled"] is True
     assert vscode["settings"]["python.defaultInterpreterPath"] == "/home/dev/.venv/bin/python"
     post_create = (project / ".devcontainer" / "post-create.sh").read_text()
-    assert "dynamic_model-doctor" in post_create
+    assert "dynamic-model-doctor" in post_create
     assert "safe.directory" in post_create
 
 

@@ -224,11 +224,20 @@ def test_no_gpu_is_a_warning_unless_required(checks) -> None:
     assert failure.detail == reason
 
 
+H200_UUID = "aaaaaaaa-1111-2222-3333-444444444444"
+P100_UUID = "bbbbbbbb-1111-2222-3333-444444444444"
+
+
 def test_gpu_rows(checks, monkeypatch: pytest.MonkeyPatch) -> None:
     """One row per visible GPU; one this build has no kernels for fails, naming the build."""
+    # torch's device properties as the doctor reads them (uuid without the GPU- prefix).
     gpus = [
-        types.SimpleNamespace(name="NVIDIA H200", total_memory=150_121_168_896, major=9, minor=0),
-        types.SimpleNamespace(name="Tesla P100", total_memory=17_071_734_784, major=6, minor=0),
+        types.SimpleNamespace(
+            name="NVIDIA H200", total_memory=150_121_168_896, major=9, minor=0, uuid=H200_UUID
+        ),
+        types.SimpleNamespace(
+            name="Tesla P100", total_memory=17_071_734_784, major=6, minor=0, uuid=P100_UUID
+        ),
     ]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: len(gpus))
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: gpus[index])
@@ -236,11 +245,12 @@ def test_gpu_rows(checks, monkeypatch: pytest.MonkeyPatch) -> None:
     h200, p100 = checks.check_gpus(None, require_gpu=True)
     assert (h200.check, h200.status) == ("GPU 0", "ok")
     assert h200.detail == (
-        "NVIDIA H200, 139.8 GiB, compute capability 9.0, supported by this build"
+        f"NVIDIA H200, 139.8 GiB, compute capability 9.0, GPU-{H200_UUID}, supported by this build"
     )
     assert (p100.check, p100.status) == ("GPU 1", "FAIL")
     assert p100.detail == (
-        f"Tesla P100, 15.9 GiB, compute capability 6.0: torch {torch.__version__} has no "
+        f"Tesla P100, 15.9 GiB, compute capability 6.0, GPU-{P100_UUID}: torch "
+        f"{torch.__version__} has no "
         "kernels for it (built for sm_75 sm_80 sm_90); install a torch build that supports sm_60"
     )
 
@@ -398,4 +408,4 @@ def test_other_package_name(bake) -> None:
     for command in ("doctor", "train"):
         result = run_module(project, f"graph_lab.{command}", "--help")
         assert result.returncode == 0, result.stderr
-        assert result.stdout.startswith(f"usage: graph_lab-{command}")
+        assert result.stdout.startswith(f"usage: python -m graph_lab.{command}")

@@ -9,6 +9,7 @@ only to get past the start-up check, never to run a kernel.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import stat
 import subprocess
@@ -18,7 +19,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import DEFAULT_PACKAGE, PLUGIN_MODULE, ProjectEnv, module_environment
+from conftest import (
+    DEFAULT_PACKAGE,
+    PLUGIN_MODULE,
+    TEMPLATE_DIR,
+    ProjectEnv,
+    module_environment,
+)
 
 USAGE_ERROR = 4
 H200 = "NVIDIA H200"
@@ -32,9 +39,9 @@ needs_no_usable_cuda = pytest.mark.skipif(
 
 @pytest.fixture
 def gpus(default_project: Path, monkeypatch: pytest.MonkeyPatch):
-    """The default project's ``testing.gpus`` module."""
+    """The default project's ``gpus`` module."""
     monkeypatch.syspath_prepend(str(default_project / "src"))
-    return importlib.import_module(f"{DEFAULT_PACKAGE}.testing.gpus")
+    return importlib.import_module(f"{DEFAULT_PACKAGE}.gpus")
 
 
 def make_gpu(gpus, index: int, uuid: str, name: str = H200):
@@ -80,7 +87,7 @@ FAKE_CUDA_BUILD_CONFTEST = f"""
 import os
 
 import torch
-from {DEFAULT_PACKAGE}.testing import gpus
+from {DEFAULT_PACKAGE} import gpus
 
 # A CUDA 13.0 build of torch whose driver facts come from the fake nvidia-smi on PATH
 # (or the file named by FAKE_PROC_DRIVER_VERSION). Loaded before the plugin's start-up
@@ -109,6 +116,16 @@ def fake_cuda_machine(plugin_pytester, fake_nvidia_smi):
 
 
 # --- plain functions ---------------------------------------------------------------
+
+
+def test_minimum_drivers_are_the_templates_table(gpus):
+    """The project's one table of minimum drivers is cookiecutter.json's, and covers every
+    CUDA build the template offers."""
+    compatibility = json.loads((TEMPLATE_DIR / "cookiecutter.json").read_text())["_compatibility"]
+    table = {str(major): version for major, version in gpus.MIN_DRIVER_BY_CUDA_MAJOR.items()}
+    assert table == compatibility["min_driver_by_cuda_major"]
+    offered = {cuda for builds in compatibility["torch_cuda"].values() for cuda in builds}
+    assert all(gpus.minimum_driver(cuda) is not None for cuda in offered)
 
 
 def test_version_tuple_and_minimum_driver(gpus):
@@ -543,30 +560,61 @@ def test_loading_the_plugin_imports_no_torch(default_project):
     assert result.returncode == 0, result.stderr
 
 
+FOREIGN_TESTS = """
+import pytest
+import torch
+
+
+def test_leaves_deterministic_mode_on():
+    torch.use_deterministic_algorithms(True)
+
+
+def test_changes_default_dtype():
+    torch.set_default_dtype(torch.float64)
+
+
+def test_no_fixtures_of_the_plugin(request):
+    for name in ("gpu", "gradcheck", "autograd_determinism"):
+        with pytest.raises(pytest.FixtureLookupError):
+            request.getfixturevalue(name)
+"""
+
+
 @pytest.mark.slow
-def test_two_generated_projects_in_one_environment(bake, tmp_path):
-    first = bake(project="alpha-model")
-    second = bake(project="beta-model")
+def test_two_projects_and_a_foreign_one_in_one_environment(bake, tmp_path):
+    """Installed side by side, each project's pytest loads its own copy of the plugin, and
+    a pytest run of anything else in that environment sees no plugin at all."""
     env = ProjectEnv(tmp_path / "venv")
-    env.install(first)
-    env.install(second)
-    (first / "tests" / "test_plugin_loaded.py").write_text(
-        "import pytest\n\n"
-        "def test_gpu_test(gpu):\n    pass\n\n"
-        "@pytest.mark.gpu(count=2)\ndef test_marked():\n    pass\n\n"
-        "def test_both_copies_loaded(pytestconfig):\n"
-        "    names = {name for name, _ in pytestconfig.pluginmanager.list_name_plugin()}\n"
-        "    assert {'alpha_model', 'beta_model'} <= names\n"
-    )
-    help_text = env.run("pytest", "--help", cwd=first).stdout
-    assert help_text.count("--gpu ") == 1
-    result = env.run(
-        "pytest", "tests/test_plugin_loaded.py", "-rs", "-p", "no:cacheprovider", cwd=first
-    )
-    assert "1 passed, 2 skipped" in result.stdout
-    assert "needs a CUDA GPU: run pytest --gpu" in result.stdout
-    blocked = env.run("pytest", "-p", "no:alpha_model", "--help", cwd=first).stdout
-    assert "--gpu " in blocked  # the other copy takes over
+    projects = {package: bake(project=package.replace("_", "-")) for package in ("alpha", "beta")}
+    for project in projects.values():
+        env.install(project)
+    for package, project in projects.items():
+        (project / "tests" / "test_own_copy.py").write_text(
+            "import pytest\n\n"
+            "def test_gpu_test(gpu):\n    pass\n\n"
+            "@pytest.mark.gpu(count=2)\ndef test_marked():\n    pass\n\n"
+            "def test_own_fixtures(gradcheck, autograd_determinism):\n"
+            f"    assert gradcheck.__module__ == '{package}.testing.plugin'\n"
+            f"    assert autograd_determinism.__module__ == '{package}.testing.determinism'\n"
+        )
+        assert env.run("pytest", "--help", cwd=project).stdout.count("--gpu ") == 1
+        result = env.run(
+            "pytest", "tests/test_own_copy.py", "-rs", "-p", "no:cacheprovider", cwd=project
+        )
+        assert "1 passed, 2 skipped" in result.stdout
+        assert "needs a CUDA GPU: run pytest --gpu" in result.stdout
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "test_foreign.py").write_text(FOREIGN_TESTS)
+    result = env.run("pytest", "-p", "no:cacheprovider", "-W", "error", cwd=foreign)
+    assert "3 passed" in result.stdout
+    assert "torch global state" not in result.stdout
+    assert "GPU tests" not in result.stdout
+    assert "--gpu" not in env.run("pytest", "--help", cwd=foreign).stdout
+    assert "keeps_cuda_memory" not in env.run("pytest", "--markers", cwd=foreign).stdout
+    unknown = env.run("pytest", "--gpu", cwd=foreign, check=False)
+    assert unknown.returncode == USAGE_ERROR
+    assert "unrecognized arguments: --gpu" in unknown.stderr
 
 
 # --- the checks after GPU tests, against a fake CUDA runtime --------------------------
@@ -637,7 +685,7 @@ def fake_cuda_runtime(gpus, monkeypatch):
     """
     plugin = importlib.import_module(PLUGIN_MODULE)
     warmed_up = []
-    monkeypatch.setattr(plugin, "warm_up_device", warmed_up.append)
+    monkeypatch.setattr(plugin, "_warm_up_device", warmed_up.append)
     monkeypatch.setattr(gpus, "cuda_unavailable_reason", lambda **_: None)
     monkeypatch.setattr(torch.cuda, "fake_allocated", [0], raising=False)
     monkeypatch.setattr(torch.cuda, "fake_pending_error", [None], raising=False)
@@ -655,7 +703,9 @@ def fake_cuda_runtime(gpus, monkeypatch):
     monkeypatch.setattr(
         torch.cuda,
         "get_device_properties",
-        lambda index: SimpleNamespace(name="Fake GPU", total_memory=80 * 2**30, major=9, minor=0),
+        lambda index: SimpleNamespace(
+            name="Fake GPU", total_memory=80 * 2**30, major=9, minor=0, uuid=UUID_A[4:]
+        ),
     )
     return warmed_up
 
@@ -669,7 +719,7 @@ def test_after_test_checks_of_gpu_tests(plugin_pytester, fake_cuda_runtime):
     result.stdout.fnmatch_lines(
         [
             "GPU tests: on; torch *",
-            "  cuda:0: Fake GPU, 80.0 GiB, compute capability 9.0",
+            f"  cuda:0: Fake GPU, 80.0 GiB, compute capability 9.0, {UUID_A}",
             "*_ ERROR at teardown of test_planted_leak _*",
             "AfterTestCheckFailed: cuda:0: the test left 4096 bytes (0.00 MiB) of CUDA memory "
             "allocated (0 when its body started, 4096 after its teardown*",

@@ -150,8 +150,14 @@ def test_pyproject_is_valid_and_carries_the_answers(baked):
         assert "Private :: Do Not Upload" in meta["classifiers"]
     else:
         assert meta["license"] == full["license"]
-    assert pyproject["project"]["entry-points"]["pytest11"] == {
-        full["package"]: f"{full['package']}.testing.plugin"
+    assert "entry-points" not in pyproject["project"]  # the plugin is no pytest11 entry point
+    assert pyproject["tool"]["pytest"]["ini_options"]["addopts"][:2] == [
+        "-p",
+        f"{full['package']}.testing.plugin",
+    ]
+    assert set(pyproject["project"]["scripts"]) == {
+        f"{full['project']}-doctor",
+        f"{full['project']}-train",
     }
     assert (project / "src" / str(full["package"]) / "__init__.py").is_file()
 

@@ -97,8 +97,8 @@ def test_seed_command_line_on_a_machine_without_gpu(default_project: Path) -> No
     assert result.returncode == 2
     message = result.stderr.splitlines()[-1]
     assert message.startswith(
-        f"{DEFAULT_PACKAGE}-train: error: argument --device: cuda asked for, but CUDA is not "
-        f"usable: torch {torch.__version__} is a CPU-only build (torch.version.cuda is None)"
+        f"python -m {DEFAULT_PACKAGE}.train: error: argument --device: cuda asked for, but CUDA "
+        f"is not usable: torch {torch.__version__} is a CPU-only build (torch.version.cuda is None)"
     )
 
 
@@ -229,9 +229,9 @@ def usage_error(train_module, capsys, *argv: str) -> str:
         train_module.main(list(argv))
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.splitlines()
-    assert lines[0].startswith(f"usage: {DEFAULT_PACKAGE}-train ")
+    assert lines[0].startswith(f"usage: python -m {DEFAULT_PACKAGE}.train ")
     assert "Traceback" not in "\n".join(lines)
-    prefix = f"{DEFAULT_PACKAGE}-train: error: "
+    prefix = f"python -m {DEFAULT_PACKAGE}.train: error: "
     assert lines[-1].startswith(prefix)
     return lines[-1].removeprefix(prefix)
 
@@ -444,12 +444,12 @@ def test_installed_commands(default_project: Path, project_env, tmp_path: Path) 
     work = tmp_path / "work"
     work.mkdir()
     doctor = subprocess.run(
-        [bin_dir / f"{DEFAULT_PACKAGE}-doctor"], env=environ, capture_output=True, text=True
+        [bin_dir / "dynamic-model-doctor"], env=environ, capture_output=True, text=True
     )
     assert doctor.returncode == 0, doctor.stdout + doctor.stderr
     assert doctor.stdout.startswith("check")
     trained = subprocess.run(
-        [bin_dir / f"{DEFAULT_PACKAGE}-train", *SMALL, "--epochs", "1"],
+        [bin_dir / "dynamic-model-train", *SMALL, "--epochs", "1"],
         env=environ,
         capture_output=True,
         text=True,
@@ -458,3 +458,11 @@ def test_installed_commands(default_project: Path, project_env, tmp_path: Path) 
     assert trained.returncode == 0, trained.stderr
     assert trained.stdout.startswith("trained 1 epochs on cpu")
     assert os.listdir(work) == []  # no checkpoint unless asked for
+    wrong = subprocess.run(
+        [bin_dir / "dynamic-model-train", "--epochs", "0"],
+        env=environ,
+        capture_output=True,
+        text=True,
+    )
+    assert wrong.returncode == 2
+    assert wrong.stderr.splitlines()[-1].startswith("dynamic-model-train: error: argument --epochs")

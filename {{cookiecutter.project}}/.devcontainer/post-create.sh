@@ -22,7 +22,7 @@ fi
 # scripts leave running services alone) so the doctor's SSH and Jupyter checks pass
 # on the first creation too.
 start-services
-if ! {{ cookiecutter.package }}-doctor; then
-    echo "post-create: {{ cookiecutter.package }}-doctor reported problems (above); the container" \
+if ! {{ cookiecutter.project }}-doctor; then
+    echo "post-create: {{ cookiecutter.project }}-doctor reported problems (above); the container" \
         "works, but fix them before relying on the GPU" >&2
 fi

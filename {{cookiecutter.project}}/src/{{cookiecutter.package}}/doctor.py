@@ -1,8 +1,8 @@
 """Check that this environment runs dynamic-graph PyTorch models correctly.
 
-    <package>-doctor                 # a table: check, ok / warn / FAIL, detail
-    <package>-doctor --require-gpu   # no usable GPU is a failure, with the reason
-    <package>-doctor --json          # the same results for scripts
+    <project>-doctor                 # a table: check, ok / warn / FAIL, detail
+    <project>-doctor --require-gpu   # no usable GPU is a failure, with the reason
+    <project>-doctor --json          # the same results for scripts
 
 Exit status 0 when no check FAILs (warnings allowed), 1 when one does, 2 for a bad
 command line. Every check is a plain function returning `Result` rows, so each
@@ -42,9 +42,33 @@ from typing import Any
 
 import torch
 
+from . import gpus
+from ._command import command_name
 from .models import DynamicNet, conditional_model, forward_with_condition
 from .testing.global_state import restore, snapshot
-from .testing.gpus import cuda_unavailable_reason, driver_version, minimum_driver, version_tuple
+
+__all__ = [
+    "FAIL",
+    "OK",
+    "WARN",
+    "Result",
+    "arch_supported",
+    "check_autograd",
+    "check_determinism",
+    "check_driver",
+    "check_eager_mode",
+    "check_gpus",
+    "check_jupyter",
+    "check_python",
+    "check_shm",
+    "check_sshd",
+    "check_torch",
+    "check_torchscript",
+    "format_table",
+    "gradient_mismatches",
+    "main",
+    "run_checks",
+]
 
 PACKAGE = __package__
 OK, WARN, FAIL = "ok", "warn", "FAIL"
@@ -92,28 +116,28 @@ def check_torch() -> Result:
 def check_driver(cuda_runtime: str | None, driver: str | None) -> Result:
     """The NVIDIA driver against the minimum for torch's CUDA runtime ``cuda_runtime``."""
     name = "NVIDIA driver"
-    if cuda_runtime is None:
-        found = f"{driver}, unused" if driver else "none found, none needed"
-        return Result(name, OK, f"{found}: torch is a CPU-only build")
-    if driver is None:
+    found = gpus.check_driver(cuda_runtime, driver)
+    if found.status is gpus.DriverStatus.NOT_NEEDED:
+        described = f"{driver}, unused" if driver else "none found, none needed"
+        return Result(name, OK, f"{described}: torch is a CPU-only build")
+    if found.status is gpus.DriverStatus.MISSING:
         return Result(
             name,
             WARN,
             "none found (no nvidia-smi, no /proc/driver/nvidia/version): install the NVIDIA "
             "driver on the host; in a container, start it with --gpus all",
         )
-    minimum = minimum_driver(cuda_runtime)
-    if minimum is None:
+    if found.status is gpus.DriverStatus.MINIMUM_UNKNOWN:
         return Result(name, WARN, f"{driver}; no known minimum for CUDA {cuda_runtime}")
-    if version_tuple(driver) < version_tuple(minimum):
+    if found.status is gpus.DriverStatus.TOO_OLD:
         return Result(
             name,
             FAIL,
-            f"{driver} is older than {minimum}, the minimum for CUDA {cuda_runtime} (torch's "
-            f"runtime): update the host's driver to {minimum} or newer, or use a torch build "
-            "(container image) for an older CUDA",
+            f"{driver} is older than {found.minimum}, the minimum for CUDA {cuda_runtime} "
+            f"(torch's runtime): update the host's driver to {found.minimum} or newer, or use "
+            "a torch build (container image) for an older CUDA",
         )
-    return Result(name, OK, f"{driver} (CUDA {cuda_runtime} needs {minimum} or newer)")
+    return Result(name, OK, f"{driver} (CUDA {cuda_runtime} needs {found.minimum} or newer)")
 
 
 def arch_supported(capability: tuple[int, int], arch_list: Sequence[str]) -> bool:
@@ -152,12 +176,9 @@ def check_gpus(unavailable_reason: str | None, require_gpu: bool) -> list[Result
     arch_list = torch.cuda.get_arch_list()
     results = []
     for index in range(torch.cuda.device_count()):
-        properties = torch.cuda.get_device_properties(index)
-        capability = (properties.major, properties.minor)
-        described = (
-            f"{properties.name}, {properties.total_memory / 2**30:.1f} GiB, "
-            f"compute capability {properties.major}.{properties.minor}"
-        )
+        gpu = gpus.torch_gpu(index)
+        capability = gpus.version_tuple(gpu.compute_capability)
+        described = gpu.describe()
         if arch_list and not arch_supported(capability, arch_list):
             results.append(
                 Result(
@@ -165,7 +186,7 @@ def check_gpus(unavailable_reason: str | None, require_gpu: bool) -> list[Result
                     FAIL,
                     f"{described}: torch {torch.__version__} has no kernels for it (built for "
                     f"{' '.join(arch_list)}); install a torch build that supports "
-                    f"sm_{properties.major}{properties.minor}",
+                    f"sm_{''.join(map(str, capability))}",
                 )
             )
         else:
@@ -462,14 +483,14 @@ def _rows(name: str, check: Callable[..., Any], *args: Any) -> list[Result]:
 
 
 def run_checks(require_gpu: bool = False, environ: Mapping[str, str] = os.environ) -> list[Result]:
-    unavailable_reason = cuda_unavailable_reason()
+    unavailable_reason = gpus.cuda_unavailable_reason()
     devices = ["cpu"]
     if unavailable_reason is None:
         devices += [f"cuda:{index}" for index in range(torch.cuda.device_count())]
     return [
         *_rows("python", check_python),
         *_rows("torch", check_torch),
-        *_rows("NVIDIA driver", check_driver, torch.version.cuda, driver_version()),
+        *_rows("NVIDIA driver", check_driver, torch.version.cuda, gpus.driver_version()),
         *_rows("GPU", check_gpus, unavailable_reason, require_gpu),
         *_rows("eager mode", check_eager_mode),
         *_rows("TorchScript", check_torchscript, environ),
@@ -493,7 +514,7 @@ def format_table(results: Sequence[Result]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog=f"{PACKAGE}-doctor",
+        prog=command_name(f"{PACKAGE}.doctor"),
         description="Check that this environment runs dynamic-graph PyTorch models correctly.",
         epilog="Exit status: 0 when no check FAILs (warnings allowed), 1 otherwise.",
     )

@@ -1,8 +1,8 @@
 """Train the example dynamic model (`DynamicNet`) on synthetic data.
 
-    <package>-train --device cuda --batch-size 64 --epochs 10
-    <package>-train --checkpoint-dir runs/a            # then, after a crash or kill:
-    <package>-train --checkpoint-dir runs/a --resume
+    <project>-train --device cuda --batch-size 64 --epochs 10
+    <project>-train --checkpoint-dir runs/a            # then, after a crash or kill:
+    <project>-train --checkpoint-dir runs/a --resume
     torchrun --nproc_per_node 2 -m <package>.train --device cuda
 
 The data set is generated from ``--seed`` (nothing is downloaded). Each epoch's
@@ -40,9 +40,12 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DistributedSampler
 
 from . import _checkpoint
+from ._command import command_name
 from ._progress import Progress
+from .gpus import cuda_unavailable_reason
 from .models import DynamicNet
-from .testing.gpus import cuda_unavailable_reason
+
+__all__ = ["Config", "Launch", "UsageError", "build_parser", "main", "synthetic_data", "train"]
 
 PACKAGE = __package__
 IN_FEATURES = 16
@@ -371,7 +374,7 @@ def directory_path(text: str) -> Path:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=f"{PACKAGE}-train",
+        prog=command_name(f"{PACKAGE}.train"),
         description="Train the example dynamic model (DynamicNet) on synthetic data.",
         epilog=f"Several GPUs: torchrun --nproc_per_node N -m {PACKAGE}.train --device cuda ...",
     )

@@ -36,8 +36,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..gpus import version_tuple
 from . import control_flow, global_state
-from .gpus import version_tuple
 
 DEFAULT_SEED = 0
 

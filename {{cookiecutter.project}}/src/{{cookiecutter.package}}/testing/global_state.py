@@ -1,11 +1,14 @@
 """Snapshot, compare and restore the process-wide state that changes what torch computes.
 
-A test that turns on deterministic mode, changes the default dtype or reseeds the
-RNG and does not undo it changes the results of the tests that run after it, in an
-order that differs between ``pytest`` and ``pytest -n 4``. :func:`snapshot` records
-that state, :func:`differences` says what changed in words and :func:`restore` puts it
-back. torch is looked at only when something already imported it, and CUDA only
-when it is already initialized: taking a snapshot never imports torch or starts CUDA.
+A test that turns on deterministic mode or changes the default dtype and does not
+undo it changes the results of the tests that run after it, in an order that
+differs between ``pytest`` and ``pytest -n 4``. :func:`snapshot` records torch's
+global settings and the random number generators (torch CPU, initialized CUDA
+devices, ``random``, NumPy), :func:`differences` says which settings changed, in
+words, and :func:`restore` puts settings and generators back. Generators are not
+compared: reseeding and drawing are what tests do, so they are only restored.
+torch is looked at only when something already imported it, and CUDA only when it
+is already initialized: taking a snapshot never imports torch or starts CUDA.
 
 TF32 settings are read and restored through the ``fp32_precision`` API: the legacy
 ``allow_tf32`` flags raise once the two APIs disagree. The float32 matmul precision
@@ -22,6 +25,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+__all__ = [
+    "GlobalState",
+    "RngState",
+    "Setting",
+    "differences",
+    "restore",
+    "snapshot",
+    "torch_settings",
+]
+
 
 @dataclass(frozen=True)
 class Setting:
@@ -34,14 +47,13 @@ class Setting:
 
 @dataclass(frozen=True)
 class RngState:
-    """One random number generator: its initial seed (where it has one) and its state.
+    """One random number generator's state.
 
     ``key`` is the state in a form that compares by value; ``raw`` is the state as
     the generator gives it, which ``set_state`` takes back.
     """
 
     name: str
-    seed: int | None
     key: Any
     raw: Any = field(compare=False, repr=False)
     set_state: Callable[[Any], None] = field(compare=False, repr=False)
@@ -178,7 +190,6 @@ def _torch_rngs(torch: Any) -> list[RngState]:
     rngs = [
         RngState(
             "torch CPU RNG",
-            torch.initial_seed(),
             _byte_tensor_key(cpu),
             cpu,
             torch.default_generator.set_state,
@@ -190,7 +201,6 @@ def _torch_rngs(torch: Any) -> list[RngState]:
             rngs.append(
                 RngState(
                     f"torch cuda:{index} RNG",
-                    generator.initial_seed(),
                     _byte_tensor_key(state),
                     state,
                     generator.set_state,
@@ -203,7 +213,7 @@ def _numpy_rng(numpy: Any) -> RngState:
     state = numpy.random.get_state()
     name, keys, position, has_gauss, cached_gaussian = state
     key = (name, keys.tobytes(), position, has_gauss, cached_gaussian)
-    return RngState("numpy.random (global RNG)", None, key, state, numpy.random.set_state)
+    return RngState("numpy.random (global RNG)", key, state, numpy.random.set_state)
 
 
 def snapshot() -> GlobalState:
@@ -211,7 +221,7 @@ def snapshot() -> GlobalState:
     torch = sys.modules.get("torch")
     numpy = sys.modules.get("numpy")
     state = random.getstate()
-    rngs = [RngState("random (Python)", None, state, state, random.setstate)]
+    rngs = [RngState("random (Python)", state, state, random.setstate)]
     settings: tuple[tuple[str, Any], ...] = ()
     if torch is not None:
         settings = tuple((setting.name, setting.get()) for setting in torch_settings())
@@ -221,32 +231,19 @@ def snapshot() -> GlobalState:
     return GlobalState(settings=settings, rngs=tuple(rngs))
 
 
-def differences(before: GlobalState, after: GlobalState, *, rng_draws: bool = True) -> list[str]:
-    """What changed from ``before`` to ``after``, one ``"name: old -> new"`` line each.
-
-    A generator that was reseeded is reported with its seeds; one whose state merely
-    moved on (numbers drawn, or its state set) is reported without dumping the state,
-    and only when ``rng_draws`` is true. Entries missing from either side (torch
-    imported in between, CUDA initialized in between) are not compared.
+def differences(before: GlobalState, after: GlobalState) -> list[str]:
+    """The settings that changed from ``before`` to ``after``, one ``"name: old -> new"``
+    line each. Settings missing from ``before`` (torch imported in between) are not
+    compared, and neither are generators.
     """
-    if before == after:
+    if before.settings == after.settings:
         return []
     old_settings = dict(before.settings)
-    lines = [
+    return [
         f"{name}: {old_settings[name]!r} -> {value!r}"
         for name, value in after.settings
         if name in old_settings and old_settings[name] != value
     ]
-    old_rngs = {rng.name: rng for rng in before.rngs}
-    for rng in after.rngs:
-        old = old_rngs.get(rng.name)
-        if old is None or old == rng:
-            continue
-        if old.seed != rng.seed:
-            lines.append(f"{rng.name}: reseeded, initial seed {old.seed} -> {rng.seed}")
-        elif rng_draws:
-            lines.append(f"{rng.name}: state changed (random numbers drawn or state set)")
-    return lines
 
 
 def restore(state: GlobalState) -> None:

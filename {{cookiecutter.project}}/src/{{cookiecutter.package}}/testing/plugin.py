@@ -1,5 +1,10 @@
 """The project's pytest plugin: GPU tests on request, one GPU per xdist worker, isolated tests.
 
+The project's own pytest configuration loads it (``-p <package>.testing.plugin`` in
+``addopts``); it is no ``pytest11`` entry point, so installing the project leaves
+every other pytest run in that environment alone, and two projects installed side
+by side each use their own copy.
+
 - ``pytest --gpu`` runs the tests that use the ``gpu`` fixture or carry
   ``@pytest.mark.gpu``; without it they are skipped, and with it but no usable CUDA
   pytest stops with a usage error that names the cause.
@@ -7,35 +12,49 @@
   ``CUDA_VISIBLE_DEVICES``; ``-n auto`` starts one worker per GPU.
 - After each GPU test: synchronize, so an asynchronous CUDA error fails the test that
   caused it; after its teardown, report CUDA memory the test left allocated.
-- Around each test's body: a snapshot of torch's global settings and RNGs; a test
-  that changes one and does not restore it fails, and the next test starts clean.
+- Around each test: a snapshot of torch's global settings and random number
+  generators. Every generator is put back silently after the test (seeding is what
+  tests do); a changed setting is put back too and, as the ini option
+  ``torch_global_state`` says, fails the test (``fail``, the default), warns
+  (``warn``) or goes unreported (``off``).
+- The fixtures ``gpu``, ``autograd_determinism`` and ``gradcheck``.
 
-The hooks are thin: the decisions live in :mod:`.gpus` and :mod:`.global_state`.
+The hooks are thin: the decisions live in :mod:`..gpus` and :mod:`.global_state`.
 Loading this module does not import torch.
 """
 
 from __future__ import annotations
 
+import enum
 import gc
 import os
 import re
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 
-from . import global_state, gpus
+from .. import gpus
+from . import global_state
 
-# Every project made from this template ships a copy of this module, and two of them
-# can be installed in one environment. The first copy pytest loads registers the
-# plugin under this name; the others see it registered and add nothing, so options
-# are not added twice (which would stop pytest).
-PLUGIN_NAME = "torch-gpu-testing"
+__all__ = ["AfterTestCheckFailed", "GlobalStatePolicy", "TorchGlobalStateWarning"]
+
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 HOW_TO_RUN_GPU_TESTS = "needs a CUDA GPU: run pytest --gpu to run GPU tests"
 GPU_MARKER = "gpu"
 KEEPS_CUDA_MEMORY_MARKER = "keeps_cuda_memory"
 CHANGES_GLOBAL_STATE_MARKER = "changes_global_state"
-MEMORY_AT_CALL = pytest.StashKey["list[int] | None"]()
+GLOBAL_STATE_INI = "torch_global_state"
+
+
+class GlobalStatePolicy(enum.Enum):
+    """What a test that leaves one of torch's global settings changed gets."""
+
+    FAIL = "fail"
+    WARN = "warn"
+    OFF = "off"
 
 
 class AfterTestCheckFailed(AssertionError):
@@ -45,243 +64,292 @@ class AfterTestCheckFailed(AssertionError):
     """
 
 
-def pytest_addoption(parser: pytest.Parser, pluginmanager: pytest.PytestPluginManager) -> None:
-    if not pluginmanager.has_plugin(PLUGIN_NAME):
-        pluginmanager.register(TorchTestingPlugin(), PLUGIN_NAME)
+class TorchGlobalStateWarning(pytest.PytestWarning):
+    """A test left one of torch's global settings changed (``torch_global_state = warn``)."""
 
 
-class TorchTestingPlugin:
-    """The plugin's hooks and the ``gpu`` fixture; one instance per pytest session."""
+@dataclass
+class _Session:
+    """What the plugin knows for the whole pytest session (in ``config.stash``)."""
 
-    def __init__(self) -> None:
-        self.gpu_enabled = False
-        self.distributed = False
-        self.in_worker = False
-        self.visible: list[str] = []
-        self.worker_devices: list[str] = []
-        self.queried_gpus: list[gpus.GpuInfo] | None = None
-        self.driver: str | None = None
-        self.cuda_checked_here = False
-        self.warmed_up: set[int] = set()
-        self.in_setup = False
-        self.before_fixtures: global_state.GlobalState | None = None
-        self.wider_fixture_ran = False
-
-    def pytest_addoption(self, parser: pytest.Parser) -> None:
-        group = parser.getgroup("gpu", "GPU tests (torch)")
-        group.addoption(
-            "--gpu",
-            action="store_true",
-            default=False,
-            help="run the tests that need a CUDA GPU (the gpu fixture or the gpu marker); "
-            "with -n, each xdist worker gets its own GPU, and -n auto starts one per GPU",
-        )
-
-    @pytest.hookimpl(tryfirst=True)
-    def pytest_load_initial_conftests(self, early_config: pytest.Config) -> None:
-        # Every plugin is loaded by now, and xdist's hooks are needed before configure.
-        if early_config.pluginmanager.has_plugin("xdist"):
-            early_config.pluginmanager.register(XdistHooks(self), f"{PLUGIN_NAME}-xdist")
-
-    def pytest_configure(self, config: pytest.Config) -> None:
-        config.addinivalue_line(
-            "markers",
-            f"{GPU_MARKER}(count=1): the test needs count CUDA GPUs; skipped unless pytest "
-            "--gpu, and when fewer GPUs are visible to the test process",
-        )
-        config.addinivalue_line(
-            "markers",
-            f"{KEEPS_CUDA_MEMORY_MARKER}: the test keeps CUDA memory allocated on purpose "
-            "(a cache, a module-level tensor); no leak check after it",
-        )
-        config.addinivalue_line(
-            "markers",
-            f"{CHANGES_GLOBAL_STATE_MARKER}: the test changes torch's global state on purpose; "
-            "it is still restored after the test, but not reported",
-        )
-        self.gpu_enabled = config.getoption("gpu")
-        self.in_worker = hasattr(config, "workerinput")
-        if not self.gpu_enabled or self.in_worker:
-            return  # xdist workers check CUDA at their first GPU test
-        self.distributed = config.getoption("dist", "no") != "no" and bool(
-            config.getoption("tx", None)
-        )
-        reason = gpus.cuda_unavailable_reason(
-            initialize=not self.distributed, known_gpus=self.machine_gpus()
-        )
-        if reason is not None:
-            raise pytest.UsageError(f"--gpu was given, but CUDA is not usable: {reason}")
-        self.cuda_checked_here = not self.distributed
-        self.driver = gpus.driver_version()
-        self.visible = gpus.visible_devices(os.environ.get(VISIBLE_DEVICES), self.machine_gpus())
-        if self.distributed and self.visible:
-            workers = xdist_worker_count(config.getoption("tx"))
-            self.worker_devices = gpus.assign_devices(self.visible, workers)
+    gpu_enabled: bool
+    policy: GlobalStatePolicy
+    in_worker: bool
+    distributed: bool = False
+    visible: list[str] = field(default_factory=list)
+    worker_devices: list[str] = field(default_factory=list)
+    driver: str | None = None
+    cuda_checked: bool = False
+    warmed_up: set[int] = field(default_factory=set)
+    known_gpus: list[gpus.GpuInfo] | None = None
+    # The test whose fixtures are being set up or torn down now.
+    fixtures_of: pytest.Item | None = None
 
     def machine_gpus(self) -> list[gpus.GpuInfo]:
         """The GPUs ``nvidia-smi`` lists, asked once per session (it takes a while)."""
-        if self.queried_gpus is None:
-            self.queried_gpus = gpus.query_gpus()
-        return self.queried_gpus
+        if self.known_gpus is None:
+            self.known_gpus = gpus.query_gpus()
+        return self.known_gpus
 
-    def pytest_report_header(self, config: pytest.Config) -> list[str]:
-        if not self.gpu_enabled:
-            return ["GPU tests: skipped (run pytest --gpu to run them)"]
-        return gpu_report_lines(
-            self.driver, self.machine_gpus(), self.visible, self.worker_devices, self.distributed
+
+@dataclass
+class _Test:
+    """What the plugin keeps for one test (in ``item.stash``)."""
+
+    before_fixtures: global_state.GlobalState | None = None
+    wider_fixture_ran: bool = False
+    memory_at_call: list[int] | None = None
+
+
+_SESSION = pytest.StashKey[_Session]()
+_TEST = pytest.StashKey[_Test]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("gpu", "GPU tests (torch)")
+    group.addoption(
+        "--gpu",
+        action="store_true",
+        default=False,
+        help="run the tests that need a CUDA GPU (the gpu fixture or the gpu marker); "
+        "with -n, each xdist worker gets its own GPU, and -n auto starts one per GPU",
+    )
+    parser.addini(
+        GLOBAL_STATE_INI,
+        "what a test that leaves a torch global setting changed gets: fail (default), "
+        "warn or off; the setting and every RNG are restored after each test in any case",
+        default=GlobalStatePolicy.FAIL.value,
+    )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
+    # Every plugin is loaded by now, and xdist's hooks are needed before configure.
+    if early_config.pluginmanager.has_plugin("xdist"):
+        early_config.pluginmanager.register(_XdistHooks(), f"{__name__}.xdist")
+
+
+def global_state_policy(value: str) -> GlobalStatePolicy:
+    """The ``torch_global_state`` ini value as a policy; a usage error names a bad one."""
+    try:
+        return GlobalStatePolicy(value.strip())
+    except ValueError:
+        allowed = ", ".join(policy.value for policy in GlobalStatePolicy)
+        raise pytest.UsageError(
+            f"{GLOBAL_STATE_INI} = {value!r} is not allowed: expected one of {allowed} "
+            "(in [tool.pytest.ini_options] or -o)"
+        ) from None
+
+
+def _session(config: pytest.Config) -> _Session:
+    if _SESSION not in config.stash:
+        config.stash[_SESSION] = _Session(
+            gpu_enabled=config.getoption("gpu"),
+            policy=global_state_policy(config.getini(GLOBAL_STATE_INI)),
+            in_worker=hasattr(config, "workerinput"),
         )
+    return config.stash[_SESSION]
 
-    def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
-        skip = pytest.mark.skip(reason=HOW_TO_RUN_GPU_TESTS)
-        for item in items:
-            if is_gpu_test(item):
-                gpus_needed(item)  # a wrong count is reported with or without --gpu
-                if not self.gpu_enabled:
-                    item.add_marker(skip)
 
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_setup(self, item: pytest.Item):
-        self.before_fixtures = None
-        self.wider_fixture_ran = False
-        if self.gpu_enabled and is_gpu_test(item):
-            self.check_gpus_for(item)
-        self.in_setup = True
-        try:
-            return (yield)
-        finally:
-            self.in_setup = False
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line(
+        "markers",
+        f"{GPU_MARKER}(count=1): the test needs count CUDA GPUs; skipped unless pytest "
+        "--gpu, and when fewer GPUs are visible to the test process",
+    )
+    config.addinivalue_line(
+        "markers",
+        f"{KEEPS_CUDA_MEMORY_MARKER}: the test keeps CUDA memory allocated on purpose "
+        "(a cache, a module-level tensor); no leak check after it",
+    )
+    config.addinivalue_line(
+        "markers",
+        f"{CHANGES_GLOBAL_STATE_MARKER}: the test changes torch's global settings on purpose; "
+        "they are still restored after the test, but not reported",
+    )
+    session = _session(config)
+    if not session.gpu_enabled or session.in_worker:
+        return  # xdist workers check CUDA at their first GPU test
+    session.distributed = config.getoption("dist", "no") != "no" and bool(
+        config.getoption("tx", None)
+    )
+    reason = gpus.cuda_unavailable_reason(
+        initialize=not session.distributed, known_gpus=session.machine_gpus()
+    )
+    if reason is not None:
+        raise pytest.UsageError(f"--gpu was given, but CUDA is not usable: {reason}")
+    session.cuda_checked = not session.distributed
+    session.driver = gpus.driver_version()
+    session.visible = gpus.visible_devices(os.environ.get(VISIBLE_DEVICES), session.machine_gpus())
+    if session.distributed and session.visible:
+        workers = _xdist_worker_count(config.getoption("tx"))
+        session.worker_devices = gpus.assign_devices(session.visible, workers)
 
-    @pytest.hookimpl(wrapper=True)
-    def pytest_fixture_setup(self, fixturedef: pytest.FixtureDef[Any]):
-        # Function-scoped fixtures may change global state for their test; the state
-        # before the first of them is put back after teardown. A wider fixture set up
-        # or torn down here changes it for other tests too, so then nothing is undone.
-        if self.in_setup:
-            if fixturedef.scope != "function":
-                self.wider_fixture_ran = True
-            elif self.before_fixtures is None:
-                self.before_fixtures = global_state.snapshot()
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    session = _session(config)
+    lines = [
+        f"torch global state: {GLOBAL_STATE_INI} = {session.policy.value} "
+        "(settings and RNGs restored after each test)"
+    ]
+    if not session.gpu_enabled:
+        return [*lines, "GPU tests: skipped (run pytest --gpu to run them)"]
+    return lines + _gpu_report_lines(session)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    skip = pytest.mark.skip(reason=HOW_TO_RUN_GPU_TESTS)
+    gpu_enabled = _session(config).gpu_enabled
+    for item in items:
+        if _is_gpu_test(item):
+            _gpus_needed(item)  # a wrong count is reported with or without --gpu
+            if not gpu_enabled:
+                item.add_marker(skip)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    session = _session(item.config)
+    item.stash[_TEST] = _Test()
+    if session.gpu_enabled and _is_gpu_test(item):
+        _check_gpus_for(item, session)
+    session.fixtures_of = item
+    try:
         return (yield)
+    finally:
+        session.fixtures_of = None
 
-    def pytest_fixture_post_finalizer(self, fixturedef: pytest.FixtureDef[Any]) -> None:
+
+@pytest.hookimpl(wrapper=True)
+def pytest_fixture_setup(fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest):
+    # Function-scoped fixtures may change global state for their test; the state
+    # before the first of them is put back after teardown. A wider fixture set up
+    # or torn down here changes it for other tests too, so then nothing is undone.
+    item = _session(request.config).fixtures_of
+    if item is not None:
+        test = item.stash[_TEST]
         if fixturedef.scope != "function":
-            self.wider_fixture_ran = True
+            test.wider_fixture_ran = True
+        elif test.before_fixtures is None:
+            test.before_fixtures = global_state.snapshot()
+    return (yield)
 
-    def check_gpus_for(self, item: pytest.Item) -> None:
-        """Fail if CUDA is unusable here; skip if the test needs more GPUs than visible."""
-        if not self.cuda_checked_here:
-            reason = gpus.cuda_unavailable_reason()
-            if reason is not None:
-                raise AssertionError(f"--gpu was given, but CUDA is not usable here: {reason}")
-            self.cuda_checked_here = True
-        import torch
 
-        needed = gpus_needed(item)
-        visible = torch.cuda.device_count()
-        if visible < needed:
-            hint = "; each xdist worker has one GPU: run it without -n" if self.in_worker else ""
-            pytest.skip(
-                f"needs {needed} GPUs, {visible} visible to this test process "
-                f"({VISIBLE_DEVICES}={os.environ.get(VISIBLE_DEVICES, '<unset>')}){hint}"
-            )
-        for index in range(needed):
-            if index not in self.warmed_up:
-                warm_up_device(index)
-                self.warmed_up.add(index)
+def pytest_fixture_post_finalizer(
+    fixturedef: pytest.FixtureDef[Any], request: pytest.FixtureRequest
+) -> None:
+    item = _session(request.config).fixtures_of
+    if item is not None and fixturedef.scope != "function":
+        item.stash[_TEST].wider_fixture_ran = True
 
-    @pytest.fixture
-    def gpu(self) -> Any:
-        """The ``torch.device`` of this test process's GPU; the test is skipped without --gpu.
 
-        Under pytest-xdist each worker sees only its own GPU, so this is always ``cuda:0``.
-        """
-        import torch
-
-        return torch.device("cuda", 0)
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_call(self, item: pytest.Item):
-        gpu_test = self.gpu_enabled and is_gpu_test(item)
-        check_memory = gpu_test and item.get_closest_marker(KEEPS_CUDA_MEMORY_MARKER) is None
-        item.stash[MEMORY_AT_CALL] = None
-        before = global_state.snapshot()
-        memory = cuda_memory_allocated(gpus_needed(item)) if check_memory else None
-        try:
-            result = yield
-        except BaseException as error:
-            global_state.restore(before)
-            if gpu_test:
-                note_cuda_error(error, gpus_needed(item))
-            raise
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    session = _session(item.config)
+    test = item.stash.setdefault(_TEST, _Test())
+    gpu_test = session.gpu_enabled and _is_gpu_test(item)
+    check_memory = gpu_test and item.get_closest_marker(KEEPS_CUDA_MEMORY_MARKER) is None
+    before = global_state.snapshot()
+    memory = _cuda_memory_allocated(_gpus_needed(item)) if check_memory else None
+    try:
+        result = yield
+    except BaseException as error:
+        global_state.restore(before)
         if gpu_test:
-            synchronize_or_fail(gpus_needed(item))
-        after = global_state.snapshot()
-        leaked = global_state.differences(before, after, rng_draws=False)
-        if after != before:
-            global_state.restore(before)
-        if leaked and item.get_closest_marker(CHANGES_GLOBAL_STATE_MARKER) is None:
-            raise AfterTestCheckFailed(global_state_message(leaked))
-        # Checked at teardown, and only after a passing body: a failure's traceback
-        # still holds the test's tensors.
-        item.stash[MEMORY_AT_CALL] = memory
-        return result
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_teardown(self, item: pytest.Item):
-        try:
-            result = yield
-        finally:
-            self.undo_fixture_changes()
-        # Measured once the function-scoped fixtures are gone: a fixture's model that the
-        # test moved to the GPU is freed by now, a tensor the test kept is not.
-        allocated = item.stash.get(MEMORY_AT_CALL, None)
-        if allocated is not None:
-            # pytest drops the test's fixture values right after teardown; drop them now.
-            funcargs = getattr(item, "funcargs", None)
-            if isinstance(funcargs, dict):
-                funcargs.clear()
-            leaks = cuda_memory_leaks(allocated)
-            if leaks:
-                raise AfterTestCheckFailed("\n".join(leaks))
-        return result
-
-    def undo_fixture_changes(self) -> None:
-        before, self.before_fixtures = self.before_fixtures, None
-        if before is not None and not self.wider_fixture_ran and global_state.snapshot() != before:
-            global_state.restore(before)
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_makereport(self, call: pytest.CallInfo[None]):
-        report = yield
-        if call.excinfo is not None and isinstance(call.excinfo.value, AfterTestCheckFailed):
-            report.longrepr = f"{AfterTestCheckFailed.__name__}: {call.excinfo.value}"
-        return report
+            _note_cuda_error(error, _gpus_needed(item))
+        raise
+    if gpu_test:
+        _synchronize_or_fail(_gpus_needed(item))
+    after = global_state.snapshot()
+    if after != before:
+        global_state.restore(before)
+    if (
+        session.policy is not GlobalStatePolicy.OFF
+        and item.get_closest_marker(CHANGES_GLOBAL_STATE_MARKER) is None
+    ):
+        changed = global_state.differences(before, after)
+        if changed:
+            _report_global_state(item, session.policy, changed)
+    # Checked at teardown, and only after a passing body: a failure's traceback
+    # still holds the test's tensors.
+    test.memory_at_call = memory
+    return result
 
 
-class XdistHooks:
+def _report_global_state(item: pytest.Item, policy: GlobalStatePolicy, changed: list[str]) -> None:
+    message = _global_state_message(changed, policy)
+    if policy is GlobalStatePolicy.FAIL:
+        raise AfterTestCheckFailed(message)
+    path, line, _ = item.reportinfo()
+    warnings.warn_explicit(
+        TorchGlobalStateWarning(f"{item.nodeid}: {message}"),
+        TorchGlobalStateWarning,
+        filename=str(path),
+        lineno=(line or 0) + 1,
+    )
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    session = _session(item.config)
+    test = item.stash.setdefault(_TEST, _Test())
+    session.fixtures_of = item
+    try:
+        result = yield
+    finally:
+        session.fixtures_of = None
+        _undo_fixture_changes(test)
+    # Measured once the function-scoped fixtures are gone: a fixture's model that the
+    # test moved to the GPU is freed by now, a tensor the test kept is not.
+    if test.memory_at_call is not None:
+        # pytest drops the test's fixture values right after teardown; drop them now.
+        funcargs = getattr(item, "funcargs", None)
+        if isinstance(funcargs, dict):
+            funcargs.clear()
+        leaks = _cuda_memory_leaks(test.memory_at_call)
+        if leaks:
+            raise AfterTestCheckFailed("\n".join(leaks))
+    return result
+
+
+def _undo_fixture_changes(test: _Test) -> None:
+    before, test.before_fixtures = test.before_fixtures, None
+    if before is not None and not test.wider_fixture_ran and global_state.snapshot() != before:
+        global_state.restore(before)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(call: pytest.CallInfo[None]):
+    report = yield
+    if call.excinfo is not None and isinstance(call.excinfo.value, AfterTestCheckFailed):
+        report.longrepr = f"{AfterTestCheckFailed.__name__}: {call.excinfo.value}"
+    return report
+
+
+class _XdistHooks:
     """Hooks that exist only with pytest-xdist: one GPU per worker."""
-
-    def __init__(self, plugin: TorchTestingPlugin) -> None:
-        self.plugin = plugin
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_xdist_auto_num_workers(self, config: pytest.Config) -> int | None:
         if not config.getoption("gpu") or os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
             return None  # the user's own choice wins
-        visible = gpus.visible_devices(os.environ.get(VISIBLE_DEVICES), self.plugin.machine_gpus())
+        visible = gpus.visible_devices(
+            os.environ.get(VISIBLE_DEVICES), _session(config).machine_gpus()
+        )
         return len(visible) or None
 
-    def pytest_xdist_setupnodes(self, specs: list[Any]) -> None:
+    def pytest_xdist_setupnodes(self, config: pytest.Config, specs: list[Any]) -> None:
         # The environment of the worker's interpreter is set before it imports anything,
         # so CUDA there starts with only its own GPU visible.
-        if not (self.plugin.gpu_enabled and self.plugin.visible):
+        session = _session(config)
+        if not (session.gpu_enabled and session.visible):
             return
-        devices = gpus.assign_devices(self.plugin.visible, len(specs))
+        devices = gpus.assign_devices(session.visible, len(specs))
         for spec, device in zip(specs, devices, strict=True):
             spec.env[VISIBLE_DEVICES] = device
 
 
-def xdist_worker_count(tx: list[str]) -> int:
+def _xdist_worker_count(tx: list[str]) -> int:
     """How many workers xdist starts for these ``--tx`` specs (``3*popen`` is three)."""
     count, spec_times = 0, re.compile(r"(\d+)\*")
     for spec in tx:
@@ -290,14 +358,14 @@ def xdist_worker_count(tx: list[str]) -> int:
     return count
 
 
-def is_gpu_test(item: pytest.Item) -> bool:
+def _is_gpu_test(item: pytest.Item) -> bool:
     return (
         "gpu" in getattr(item, "fixturenames", ())
         or item.get_closest_marker(GPU_MARKER) is not None
     )
 
 
-def gpus_needed(item: pytest.Item) -> int:
+def _gpus_needed(item: pytest.Item) -> int:
     marker = item.get_closest_marker(GPU_MARKER)
     count = marker.kwargs.get("count", 1) if marker is not None else 1
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
@@ -307,36 +375,52 @@ def gpus_needed(item: pytest.Item) -> int:
     return count
 
 
-def gpu_report_lines(
-    driver: str | None,
-    gpu_infos: list[gpus.GpuInfo],
-    visible: list[str],
-    worker_devices: list[str],
-    distributed: bool,
-) -> list[str]:
+def _check_gpus_for(item: pytest.Item, session: _Session) -> None:
+    """Fail if CUDA is unusable here; skip if the test needs more GPUs than visible."""
+    if not session.cuda_checked:
+        reason = gpus.cuda_unavailable_reason()
+        if reason is not None:
+            raise AssertionError(f"--gpu was given, but CUDA is not usable here: {reason}")
+        session.cuda_checked = True
+    import torch
+
+    needed = _gpus_needed(item)
+    visible = torch.cuda.device_count()
+    if visible < needed:
+        hint = "; each xdist worker has one GPU: run it without -n" if session.in_worker else ""
+        pytest.skip(
+            f"needs {needed} GPUs, {visible} visible to this test process "
+            f"({VISIBLE_DEVICES}={os.environ.get(VISIBLE_DEVICES, '<unset>')}){hint}"
+        )
+    for index in range(needed):
+        if index not in session.warmed_up:
+            _warm_up_device(index)
+            session.warmed_up.add(index)
+
+
+def _gpu_report_lines(session: _Session) -> list[str]:
     """The report header with --gpu; CUDA is queried only when no xdist workers run the tests."""
     import torch
 
     cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     lines = [
         f"GPU tests: on; torch {torch.__version__}, CUDA runtime {torch.version.cuda}, "
-        f"NVIDIA driver {driver}, cuDNN {cudnn}"
+        f"NVIDIA driver {session.driver}, cuDNN {cudnn}"
     ]
-    if gpu_infos:
-        for entry in visible:
-            info = gpus.gpu_for_entry(entry, gpu_infos)
+    known = session.machine_gpus()
+    if known:
+        for entry in session.visible:
+            info = gpus.gpu_for_entry(entry, known)
             lines.append(f"  GPU {entry}: {info.describe() if info else 'MIG instance'}")
-    elif not distributed:
-        for index in range(torch.cuda.device_count()):
-            props = torch.cuda.get_device_properties(index)
-            lines.append(
-                f"  cuda:{index}: {props.name}, {props.total_memory / 2**30:.1f} GiB, "
-                f"compute capability {props.major}.{props.minor}"
-            )
-    if worker_devices:
-        pairs = ", ".join(f"gw{i} -> {device}" for i, device in enumerate(worker_devices))
+    elif not session.distributed:
+        lines.extend(
+            f"  cuda:{index}: {gpus.torch_gpu(index).describe()}"
+            for index in range(torch.cuda.device_count())
+        )
+    if session.worker_devices:
+        pairs = ", ".join(f"gw{i} -> {device}" for i, device in enumerate(session.worker_devices))
         lines.append(f"  xdist workers ({VISIBLE_DEVICES}): {pairs}")
-    elif distributed:
+    elif session.distributed:
         lines.append(
             "  xdist workers: GPUs unknown (no nvidia-smi), so every worker sees the "
             f"caller's {VISIBLE_DEVICES} and uses its first GPU"
@@ -344,7 +428,7 @@ def gpu_report_lines(
     return lines
 
 
-def warm_up_device(index: int) -> None:
+def _warm_up_device(index: int) -> None:
     """Make CUDA allocate what it keeps for the process's lifetime on this device (the
     context, the RNG's state), so the first GPU test's memory check does not count it.
     """
@@ -354,13 +438,13 @@ def warm_up_device(index: int) -> None:
         torch.randn(1, device=torch.device("cuda", index))
 
 
-def cuda_memory_allocated(devices: int) -> list[int]:
+def _cuda_memory_allocated(devices: int) -> list[int]:
     import torch
 
     return [torch.cuda.memory_allocated(index) for index in range(devices)]
 
 
-def synchronize_or_fail(devices: int) -> None:
+def _synchronize_or_fail(devices: int) -> None:
     """Wait for the test's kernels, so an asynchronous CUDA error fails this test."""
     import torch
 
@@ -375,20 +459,20 @@ def synchronize_or_fail(devices: int) -> None:
         ) from error
 
 
-def note_cuda_error(error: BaseException, devices: int) -> None:
+def _note_cuda_error(error: BaseException, devices: int) -> None:
     """Add an asynchronous CUDA error to a failing test's own error, where it belongs."""
     try:
-        synchronize_or_fail(devices)
+        _synchronize_or_fail(devices)
     except AfterTestCheckFailed as cuda_error:
         if hasattr(error, "add_note"):  # Python >= 3.11
             error.add_note(str(cuda_error))
 
 
-def cuda_memory_leaks(before: list[int]) -> list[str]:
+def _cuda_memory_leaks(before: list[int]) -> list[str]:
     """Messages for the devices on which the test left more memory allocated than it found."""
     import torch
 
-    now = cuda_memory_allocated(len(before))
+    now = _cuda_memory_allocated(len(before))
     if all(after <= start for start, after in zip(before, now, strict=True)):
         return []
     gc.collect()
@@ -396,7 +480,7 @@ def cuda_memory_leaks(before: list[int]) -> list[str]:
     clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear_workspaces is not None:
         clear_workspaces()
-    now = cuda_memory_allocated(len(before))
+    now = _cuda_memory_allocated(len(before))
     return [
         f"cuda:{index}: the test left {after - start} bytes ({(after - start) / 2**20:.2f} MiB) "
         f"of CUDA memory allocated ({start} when its body started, {after} after its "
@@ -408,30 +492,54 @@ def cuda_memory_leaks(before: list[int]) -> list[str]:
     ]
 
 
-def global_state_message(leaked: list[str]) -> str:
-    lines = "\n".join(f"  {line}" for line in leaked)
+def _global_state_message(changed: list[str], policy: GlobalStatePolicy) -> str:
+    lines = "\n".join(f"  {line}" for line in changed)
+    quieter = " or ".join(
+        candidate.value
+        for candidate in (GlobalStatePolicy.WARN, GlobalStatePolicy.OFF)
+        if candidate is not policy
+    )
     return (
-        "the test changed torch's global state and did not restore it (restored now, so "
-        f"the next test starts clean):\n{lines}\nUndo the change in the test (try/finally, "
-        "a context manager such as torch.random.fork_rng()), or mark the test "
-        f"@pytest.mark.{CHANGES_GLOBAL_STATE_MARKER} if the change is intended"
+        "the test changed torch's global settings and did not restore them (restored now, "
+        f"so the next test starts clean):\n{lines}\nUndo the change in the test (try/finally, "
+        "a context manager such as torch.device(...) or torch.no_grad()), mark the test "
+        f"@pytest.mark.{CHANGES_GLOBAL_STATE_MARKER} if the change is intended, or set "
+        f"{GLOBAL_STATE_INI} = {quieter} in the pytest configuration"
     )
 
 
-# Fixtures of the determinism and gradient checks follow (module level: pytest
-# collects fixtures from this module like from a conftest.py).
+def _write_live(config: pytest.Config, line: str) -> None:
+    """Write a line to the terminal now, past output capturing (no terminal under xdist)."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None or capture is None:
+        return
+    with capture.global_and_fixture_disabled():
+        reporter.write_line(line)
 
 
 @pytest.fixture
-def autograd_determinism() -> Any:
-    """``autograd_determinism(model_or_function, *inputs, runs=3, **kwargs)``: bitwise check.
+def gpu() -> Any:
+    """The ``torch.device`` of this test process's GPU; the test is skipped without --gpu.
+
+    Under pytest-xdist each worker sees only its own GPU, so this is always ``cuda:0``.
+    """
+    import torch
+
+    return torch.device("cuda", 0)
+
+
+@pytest.fixture
+def autograd_determinism() -> Iterator[Callable[..., Any]]:
+    """``autograd_determinism(model_or_fn, /, *inputs, forward_kwargs=None, runs=3, ...)``.
 
     For the whole test: deterministic algorithms, deterministic cuDNN (no benchmark),
     filled uninitialized memory and seeded RNGs; all restored afterwards, also when
     the test fails. The callable runs forward and backward ``runs`` times from the
     same parameters, buffers, RNG states and inputs and fails, naming the first
     differing tensor and the op or branch where the runs part, unless all agree bit
-    for bit. It returns the first run's outputs and gradients.
+    for bit. Keyword arguments of the forward go in ``forward_kwargs``; every other
+    keyword is an option. It returns the first run's outputs and gradients.
     See :func:`.determinism.check_determinism` for the options.
     """
     from .determinism import check_determinism, deterministic_mode
@@ -441,15 +549,17 @@ def autograd_determinism() -> Any:
 
 
 @pytest.fixture
-def gradcheck(request: pytest.FixtureRequest) -> Any:
-    """``gradcheck(model_or_function, *inputs, params=True, gradgrad=False, fast=None, ...)``.
+def gradcheck(request: pytest.FixtureRequest) -> Callable[..., Any]:
+    """``gradcheck(model_or_fn, /, *inputs, forward_kwargs=None, fast=None, ...)``.
 
     Compares autograd's gradients with finite differences, in float64, for the inputs
     that require grad and every parameter (second order too with ``gradgrad=True``),
-    leaving the model, the inputs and the global state as they were. A failure names
-    the tensor and element, the numbers, and whether the point sits on a branch
-    boundary or a kink instead. With ``-v`` each check writes one line: what was
-    checked and in which mode. See :func:`.gradcheck.gradcheck` for the options.
+    leaving the model, the inputs and the global state as they were. Keyword
+    arguments of the forward go in ``forward_kwargs``; every other keyword is an
+    option. A failure names the tensor and element, the numbers, and whether the
+    point sits on a branch boundary or a kink instead. With ``-v`` each check writes
+    one line: what was checked and in which mode. See :func:`.gradcheck.gradcheck`
+    for the options.
     """
     from .gradcheck import gradcheck as check
 
@@ -458,17 +568,7 @@ def gradcheck(request: pytest.FixtureRequest) -> Any:
         result = check(*args, **kwargs)
         request.node.add_report_section("call", "gradcheck", str(result))
         if request.config.get_verbosity() > 0:
-            write_live(request.config, str(result))
+            _write_live(request.config, str(result))
         return result
 
     return checked
-
-
-def write_live(config: pytest.Config, line: str) -> None:
-    """Write a line to the terminal now, past output capturing (no terminal under xdist)."""
-    reporter = config.pluginmanager.get_plugin("terminalreporter")
-    capture = config.pluginmanager.get_plugin("capturemanager")
-    if reporter is None or capture is None:
-        return
-    with capture.global_and_fixture_disabled():
-        reporter.write_line(line)

@@ -1,22 +1,47 @@
-"""What the machine offers for CUDA, found without initializing CUDA.
+"""What the machine offers for CUDA, found without initializing CUDA: the facts the
+test plugin, ``doctor`` and ``train`` decide on.
 
 CUDA reads ``CUDA_VISIBLE_DEVICES`` once, when it initializes in a process, and a
 process that initialized CUDA holds a context on its GPU. So everything here that a
 test controller needs (driver version, the GPUs and which of them are visible, why
 CUDA would not work) comes from ``/proc/driver/nvidia/version`` and ``nvidia-smi``,
 and the decisions are plain functions of those facts so they can be tested on any
-machine. Only :func:`cuda_unavailable_reason` imports torch, and only when called.
+machine. :data:`MIN_DRIVER_BY_CUDA_MAJOR` is the project's one table of minimum
+drivers. Only :func:`cuda_unavailable_reason` and :func:`torch_gpu` import torch, and
+only when called.
 """
 
 from __future__ import annotations
 
 import csv
+import enum
 import os
 import re
 import subprocess
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+__all__ = [
+    "MIN_DRIVER_BY_CUDA_MAJOR",
+    "DriverCheck",
+    "DriverStatus",
+    "GpuInfo",
+    "assign_devices",
+    "check_driver",
+    "cuda_unavailable_reason",
+    "diagnose_cuda",
+    "driver_version",
+    "gpu_for_entry",
+    "minimum_driver",
+    "parse_gpu_query",
+    "parse_proc_driver_version",
+    "parse_visible_devices",
+    "query_gpus",
+    "torch_gpu",
+    "version_tuple",
+    "visible_devices",
+]
 
 # Lowest Linux driver for each CUDA major version (CUDA's minor version compatibility).
 MIN_DRIVER_BY_CUDA_MAJOR: dict[int, str] = {12: "525.60.13", 13: "580.65.06"}
@@ -42,6 +67,21 @@ class GpuInfo:
         )
 
 
+def torch_gpu(index: int) -> GpuInfo:
+    """The CUDA device ``index`` of this process as torch sees it (initializes CUDA)."""
+    import torch
+
+    properties = torch.cuda.get_device_properties(index)
+    uuid = getattr(properties, "uuid", None)
+    return GpuInfo(
+        index=index,
+        uuid=f"GPU-{uuid}" if uuid is not None else "uuid unknown",
+        name=properties.name,
+        memory_mib=properties.total_memory // 2**20,
+        compute_capability=f"{properties.major}.{properties.minor}",
+    )
+
+
 def version_tuple(text: str) -> tuple[int, ...]:
     """The leading dotted numbers of a version: ``"580.65.06"`` -> ``(580, 65, 6)``."""
     match = re.match(r"\s*(\d+(?:\.\d+)*)", text)
@@ -53,6 +93,41 @@ def version_tuple(text: str) -> tuple[int, ...]:
 def minimum_driver(cuda_version: str) -> str | None:
     """The lowest driver that runs the CUDA runtime ``cuda_version``; None if not known."""
     return MIN_DRIVER_BY_CUDA_MAJOR.get(version_tuple(cuda_version)[0])
+
+
+class DriverStatus(enum.Enum):
+    """How the NVIDIA driver stands against the CUDA runtime torch was built with."""
+
+    NOT_NEEDED = "not needed"  # a CPU-only build of torch
+    MISSING = "missing"
+    TOO_OLD = "too old"
+    MINIMUM_UNKNOWN = "minimum unknown"  # a CUDA major version this table does not list
+    SUFFICIENT = "sufficient"
+
+
+@dataclass(frozen=True)
+class DriverCheck:
+    status: DriverStatus
+    driver: str | None
+    cuda_runtime: str | None
+    minimum: str | None
+
+
+def check_driver(cuda_runtime: str | None, driver: str | None) -> DriverCheck:
+    """The driver ``driver`` against the minimum for the CUDA runtime ``cuda_runtime``
+    (``torch.version.cuda``; None for a CPU-only build)."""
+    minimum = minimum_driver(cuda_runtime) if cuda_runtime is not None else None
+    if cuda_runtime is None:
+        status = DriverStatus.NOT_NEEDED
+    elif driver is None:
+        status = DriverStatus.MISSING
+    elif minimum is None:
+        status = DriverStatus.MINIMUM_UNKNOWN
+    elif version_tuple(driver) < version_tuple(minimum):
+        status = DriverStatus.TOO_OLD
+    else:
+        status = DriverStatus.SUFFICIENT
+    return DriverCheck(status, driver, cuda_runtime, minimum)
 
 
 def _nvidia_smi(*args: str) -> str | None:
@@ -192,20 +267,20 @@ def diagnose_cuda(
 
     ``gpus`` is None when it is not known which GPUs the driver sees (no ``nvidia-smi``).
     """
-    if cuda_runtime is None:
+    found = check_driver(cuda_runtime, driver)
+    if found.status is DriverStatus.NOT_NEEDED:
         return (
             f"torch {torch_version} is a CPU-only build (torch.version.cuda is None): "
             "install a CUDA build of torch to use a GPU"
         )
-    if driver is None:
+    if found.status is DriverStatus.MISSING:
         return (
             "no NVIDIA driver found (neither nvidia-smi nor /proc/driver/nvidia/version): "
             "run on a machine with an NVIDIA GPU, and start containers with --gpus"
         )
-    minimum = minimum_driver(cuda_runtime)
-    if minimum is not None and version_tuple(driver) < version_tuple(minimum):
+    if found.status is DriverStatus.TOO_OLD:
         return (
-            f"NVIDIA driver {driver} is older than {minimum}, the minimum for CUDA "
+            f"NVIDIA driver {driver} is older than {found.minimum}, the minimum for CUDA "
             f"{cuda_runtime} that torch {torch_version} was built with: update the driver "
             "or install a torch build for an older CUDA"
         )
