@@ -87,9 +87,14 @@ done
 total=$(seconds_since "$started")
 
 {
-    mode="on $(hostname)"
+    mode="on ${HOSTNAME:-this machine}"
     if [ "$dry_run" = 1 ]; then mode="$mode, dry run (no CUDA)"; fi
     echo "# GPU checks, $(date -u '+%Y-%m-%d %H:%M UTC'), $mode"
+    echo
+    # What the environment step found, when it ran.
+    if [ -f "$out/environment.log" ]; then
+        awk '(/^torch [0-9]/ && !torch++) || /^cuda:[0-9]+: / { print $0 "  " }' "$out/environment.log"
+    fi
     echo
     echo "| check | result | seconds |"
     echo "| --- | --- | --- |"

@@ -39,8 +39,8 @@ check "doctor --require-gpu with CUDA_VISIBLE_DEVICES=''" --cuda --status 1 \
     --expect "hides every GPU" -- \
     env CUDA_VISIBLE_DEVICES= "$python" -m dynamic_model.doctor --require-gpu
 
-check "train --device $device (the seed command line)" --expect "trained 1 epochs on $device" -- \
-    "$python" -m dynamic_model.train --device "$device" --batch-size 64 --epochs 1 "${samples[@]}"
+check "train --device cuda (the seed command line)" --cuda --expect "trained 1 epochs on cuda" -- \
+    "$python" -m dynamic_model.train --device cuda --batch-size 64 --epochs 1
 check "train 2 epochs" -- "$python" -m dynamic_model.train --device "$device" --epochs 2 \
     --checkpoint-dir "$work/whole" "${samples[@]}"
 check "train 1 epoch" -- "$python" -m dynamic_model.train --device "$device" --epochs 1 \

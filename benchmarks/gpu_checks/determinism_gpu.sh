@@ -136,6 +136,6 @@ EOF
 
 cd "$project" || exit 1
 collect_tests tests/test_determinism_gpu.py tests/test_determinism.py
-check "autograd_determinism on CUDA" --cuda --needs pytest --timeout 90 --expect " passed" -- \
+check "autograd_determinism on CUDA" --cuda --needs pytest --timeout 85 --expect " passed" -- \
     "${pytest_command[@]}" --gpu -s -rA tests/test_determinism_gpu.py tests/test_determinism.py
 finish_checks

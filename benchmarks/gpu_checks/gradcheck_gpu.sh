@@ -108,6 +108,6 @@ EOF
 
 cd "$project" || exit 1
 collect_tests tests/test_gradients.py tests/test_gradcheck_gpu.py
-check "gradcheck on CUDA in float64" --cuda --needs pytest --timeout 60 --expect " passed" -- \
+check "gradcheck on CUDA in float64" --cuda --needs pytest --timeout 50 --expect " passed" -- \
     "${pytest_command[@]}" --gpu -v -rA tests/test_gradients.py tests/test_gradcheck_gpu.py
 finish_checks
