@@ -6,15 +6,16 @@ The plugin's after-test check compares ``torch.cuda.memory_allocated`` when a GP
 test's body starts with the value after its teardown, a garbage collection and
 freeing cuBLAS's workspaces, once the device is warmed up (context, RNG state). This
 prints, after each step below, the allocator's numbers (allocated, reserved) and the
-driver's (memory in use on the device from ``torch.cuda.mem_get_info``, and this
-process's from ``nvidia-smi`` where its PID is visible), and asserts the facts the
-check relies on:
+driver's (memory in use on the device from ``torch.cuda.mem_get_info``, and, around
+the global tensor, this process's from ``nvidia-smi`` where its PID is visible), and
+asserts the facts the check relies on:
 
 - a tensor kept in a global adds its size to ``memory_allocated``; dropping it takes
   the size off again (the allocator may keep the block reserved, and the driver count
   it, until ``torch.cuda.empty_cache()``: shown, not asserted);
-- the first matmul on a stream leaves a cuBLAS or cuBLASLt workspace allocated, and
-  ``torch._C._cuda_clearCublasWorkspaces()`` frees all of them.
+- what the first matmuls of each kind leave allocated (cuBLAS and cuBLASLt
+  workspaces, one per stream; shown) is all freed by
+  ``torch._C._cuda_clearCublasWorkspaces()``.
 
 What cuFFT's plan cache, cuDNN convolution and attention leave allocated is shown,
 not asserted (the pytest check in plugin_gpu.sh asserts there is no false report).
@@ -53,16 +54,17 @@ def process_used_mib() -> str:
     return "PID not listed (another PID namespace?)"
 
 
-def show(event: str) -> int:
-    """Print one row of numbers after ``event``; return memory_allocated."""
+def show(event: str, *, per_process: bool = False) -> int:
+    """Print one row of numbers after ``event`` (with nvidia-smi's, which takes a while,
+    when ``per_process``); return memory_allocated."""
     torch.cuda.synchronize(device)
     allocated = torch.cuda.memory_allocated(device)
     reserved = torch.cuda.memory_reserved(device)
     free, total = torch.cuda.mem_get_info(device)
+    process = f", this process {process_used_mib()}" if per_process else ""
     print(
         f"{event:<44} allocated {allocated:>11,} B  reserved {reserved / MIB:>8.1f} MiB  "
-        f"driver: device in use {(total - free) / MIB:>9.1f} MiB, "
-        f"this process {process_used_mib()}"
+        f"driver: device in use {(total - free) / MIB:>9.1f} MiB{process}"
     )
     return allocated
 
@@ -100,15 +102,15 @@ def main() -> None:
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}")
     with torch.random.fork_rng(devices=[0]):  # what the plugin's warm-up does
         torch.randn(1, device=device)
-    start = show("after the warm-up")
+    start = show("after the warm-up", per_process=True)
 
     global KEPT
     KEPT = torch.ones(64 * MIB // 4, device=device)
-    kept = show("a 64 MiB tensor kept in a global")
+    kept = show("a 64 MiB tensor kept in a global", per_process=True)
     KEPT = None
-    dropped = show("the global set to None")
+    dropped = show("the global set to None", per_process=True)
     torch.cuda.empty_cache()
-    show("torch.cuda.empty_cache()")
+    show("torch.cuda.empty_cache()", per_process=True)
     assert kept - start == 64 * MIB, f"the global added {kept - start} bytes, not {64 * MIB}"
     assert dropped == start, f"{dropped - start} bytes still allocated after dropping the global"
 

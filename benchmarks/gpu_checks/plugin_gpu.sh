@@ -165,7 +165,7 @@ check "planted leak and reseed caught, clean GPU tests pass" --cuda --needs pyte
 # In a process of its own, so each library's first call happens in these tests.
 check "no false leak report from CUDA library workspaces; a global tensor reported" \
     --cuda --needs pytest --status 1 \
-    --expect "7 passed, 1 error" \
+    --expect "8 passed, 1 error" \
     --expect "ERROR planted/test_workspaces.py::test_tensor_kept_in_a_global - AfterTestCheckFailed" \
     --expect "cuda:0: the test left 2097152 bytes" -- \
     "${pytest_command[@]}" --gpu -rfE planted/test_workspaces.py
