@@ -67,9 +67,11 @@ seconds_since() {
 
 started=$(now_us)
 failed_steps=0
+ran_environment=0
 for entry in "${all_steps[@]}"; do
     step=${entry%%:*} limit=$((${entry#*:} * scale))
     if [ ${#selected[@]} -gt 0 ] && [[ " ${selected[*]} " != *" $step "* ]]; then continue; fi
+    if [ "$step" = environment ]; then ran_environment=1; fi
     echo "##### $step (at most $limit s): $out/$step.log"
     step_start=$(now_us)
     GPU_CHECKS_STEP=$step timeout -k 10 "$limit" bash "$here/${step}_gpu.sh" >"$out/$step.log" 2>&1
@@ -91,11 +93,10 @@ total=$(seconds_since "$started")
     if [ "$dry_run" = 1 ]; then mode="$mode, dry run (no CUDA)"; fi
     echo "# GPU checks, $(date -u '+%Y-%m-%d %H:%M UTC'), $mode"
     echo
-    # What the environment step found, when it ran.
-    if [ -f "$out/environment.log" ]; then
+    if [ "$ran_environment" = 1 ]; then  # what it found
         awk '(/^torch [0-9]/ && !torch++) || /^cuda:[0-9]+: / { print $0 "  " }' "$out/environment.log"
+        echo
     fi
-    echo
     echo "| check | result | seconds |"
     echo "| --- | --- | --- |"
     while IFS=$'\t' read -r step name result seconds; do
