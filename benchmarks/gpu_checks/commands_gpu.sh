@@ -1,88 +1,88 @@
 #!/usr/bin/env bash
 # GPU checks of the doctor and train commands (issue 7), on a machine with an NVIDIA GPU.
 #
-#   bash benchmarks/gpu_checks/commands_gpu.sh      # from the template repository root
+#   bash benchmarks/gpu_checks/commands_gpu.sh [--dry-run]    # or through all.sh
 #
-# Needs a CUDA build of torch and pytest in $PYTHON (default: python3). No network:
-# the project is baked with cookiecutter when it is installed, else its src folder is
-# copied as is (the template copies src/ without rendering) and the one rendered test
-# file gets the package name. Under 2 minutes. Checks:
-#   doctor --require-gpu passes (and its time), --json says ok, a GPU hidden by
-#   CUDA_VISIBLE_DEVICES= makes it fail with that reason;
-#   train --device cuda (the seed command line, 1 epoch); --resume on the GPU ends
-#   bitwise equal to an uninterrupted run; cuda:N beyond the GPUs is a clear error;
-#   torchrun --nproc_per_node 1 with NCCL; the generated tests/test_commands.py with --gpu.
+# Needs a CUDA build of torch in $PYTHON (default: python3), and pytest for the
+# generated tests. No network: the project is baked as bake.sh says, and the commands
+# run as `python -m dynamic_model.<command>` from its src folder. About 3 minutes.
+# Checks: doctor --require-gpu passes (and its time), --json says ok, a GPU hidden by
+# CUDA_VISIBLE_DEVICES= makes it fail with that reason; train --device cuda (the seed
+# command line, 1 epoch); --resume on the GPU ends bitwise equal to an uninterrupted
+# run; cuda:N beyond the GPUs is a clear error; torchrun --nproc_per_node 1 with NCCL;
+# DDP over gloo with 2 ranks sharing the one GPU (ddp_one_device.py), and what train
+# does with 2 ranks and 1 GPU; train's throughput on cuda against cpu (throughput.py);
+# the generated tests/test_commands.py with --gpu. In a dry run the train checks that
+# take a device run on the CPU.
 set -uo pipefail
-
-python=${PYTHON:-python3}
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-# shellcheck source=benchmarks/gpu_checks/bake.sh
-source "$(dirname "$0")/bake.sh"
-project=$(bake_project "$work" test_commands.py) || exit 1
+# shellcheck source=benchmarks/gpu_checks/lib.sh
+source "$(dirname "$0")/lib.sh" "$@"
+bake test_commands.py
 cd "$project" || exit 1
-export PYTHONPATH="$project/src" PYTHONUNBUFFERED=1
 unset PROJECT_SSH_PORT PROJECT_JUPYTER_PORT
+torchrun=("$python" -m torch.distributed.run --standalone)
+# A dry run trains on fewer samples: it checks the command lines, not the numbers.
+samples=()
+throughput_options=()
+if [ "$dry_run" = 1 ]; then samples=(--samples 1024); throughput_options=(--batch-size 64); fi
 
-failed=0
-check() {  # check NAME EXPECTED_STATUS COMMAND...: run it, show its output, compare the status
-    local name=$1 expected=$2
-    shift 2
-    echo "=== $name: $*"
-    "$@"
-    local status=$?
-    if [ "$status" -ne "$expected" ]; then
-        echo "!!! $name: exit status $status, expected $expected"
-        failed=1
-    fi
-}
-expect_in() {  # expect_in NAME FILE TEXT: FILE contains TEXT
-    if ! grep -qF -- "$3" "$2"; then
-        echo "!!! $1: '$3' not in the output"
-        failed=1
-    fi
-}
+collect_tests tests/test_commands.py
 
-nvidia-smi --query-gpu=name,driver_version,memory.total,compute_cap --format=csv
-"$python" -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_arch_list())"
+check "doctor --require-gpu" --cuda -- \
+    "$python" -m dynamic_model.doctor --require-gpu
+check "doctor --json --require-gpu" --cuda -- \
+    "${stdout_to[@]}" "$work/doctor.json" "$python" -m dynamic_model.doctor --json --require-gpu
+check "doctor --json says ok" --cuda --expect "^json ok: True" -- "$python" -c \
+    'import json, sys; r = json.load(open(sys.argv[1])); print("json ok:", r["ok"]); assert r["ok"]' \
+    "$work/doctor.json"
+check "doctor --require-gpu with CUDA_VISIBLE_DEVICES=''" --cuda --status 1 \
+    --expect "hides every GPU" -- \
+    env CUDA_VISIBLE_DEVICES= "$python" -m dynamic_model.doctor --require-gpu
 
-start=$(date +%s%N)
-check doctor 0 "$python" -m dynamic_model.doctor --require-gpu
-echo "doctor --require-gpu took $((($(date +%s%N) - start) / 1000000)) ms"
-check doctor-json 0 sh -c "\"$python\" -m dynamic_model.doctor --json --require-gpu >'$work/doctor.json'"
-"$python" -c "import json, sys; r = json.load(open(sys.argv[1])); print('json ok:', r['ok']); assert r['ok']" \
-    "$work/doctor.json" || failed=1
-CUDA_VISIBLE_DEVICES= check doctor-hidden-gpu 1 sh -c "\"$python\" -m dynamic_model.doctor --require-gpu >'$work/hidden.txt'"
-cat "$work/hidden.txt"
-expect_in doctor-hidden-gpu "$work/hidden.txt" "hides every GPU"
-
-check train-seed-command 0 "$python" -m dynamic_model.train --device cuda --batch-size 64 --epochs 1
-check train-whole 0 "$python" -m dynamic_model.train --device cuda --epochs 2 --checkpoint-dir "$work/whole"
-check train-first 0 "$python" -m dynamic_model.train --device cuda --epochs 1 --checkpoint-dir "$work/split"
-check train-resume 0 "$python" -m dynamic_model.train --device cuda --epochs 2 --checkpoint-dir "$work/split" --resume
-"$python" - "$work/whole/latest.pt" "$work/split/latest.pt" <<'EOF' || failed=1
+check "train --device cuda (the seed command line)" --cuda --expect "trained 1 epochs on cuda" -- \
+    "$python" -m dynamic_model.train --device cuda --batch-size 64 --epochs 1
+check "train 2 epochs" -- "$python" -m dynamic_model.train --device "$device" --epochs 2 \
+    --checkpoint-dir "$work/whole" "${samples[@]}"
+check "train 1 epoch" -- "$python" -m dynamic_model.train --device "$device" --epochs 1 \
+    --checkpoint-dir "$work/split" "${samples[@]}"
+check "train --resume to 2 epochs" -- "$python" -m dynamic_model.train --device "$device" \
+    --epochs 2 --checkpoint-dir "$work/split" --resume "${samples[@]}"
+check "resumed run bitwise equal to the whole run" --expect "bitwise equal: True" -- \
+    "$python" - "$work/whole/latest.pt" "$work/split/latest.pt" <<'EOF'
 import sys
 
 import torch
 
 whole, split = (torch.load(path, weights_only=True) for path in sys.argv[1:])
 differing = [name for name, tensor in whole["model"].items() if not torch.equal(tensor, split["model"][name])]
-print("resume on cuda bitwise equal:", not differing, differing)
+print("resumed on", whole["model"]["head.weight"].device, "bitwise equal:", not differing, differing)
 assert not differing
 EOF
-count=$("$python" -c "import torch; print(torch.cuda.device_count())")
-check train-missing-gpu 2 "$python" -m dynamic_model.train --device "cuda:$count" --epochs 1
+gpus=0
+if [ "$dry_run" = 0 ]; then gpus=$("$python" -c 'import torch; print(torch.cuda.device_count())'); fi
+check "train --device cuda:$gpus, beyond the GPUs" --cuda --status 2 --expect "does not exist" -- \
+    "$python" -m dynamic_model.train --device "cuda:$gpus" --epochs 1
 
-check torchrun-nccl 0 sh -c "\"$python\" -m torch.distributed.run --standalone --nproc_per_node 1 \
-    -m dynamic_model.train --device cuda --epochs 1 --checkpoint-dir '$work/ddp' >'$work/ddp.txt'"
-cat "$work/ddp.txt"
-expect_in torchrun-nccl "$work/ddp.txt" "on 1 processes on cuda (nccl)"
+check "torchrun --nproc_per_node 1, NCCL" --cuda --timeout 90 \
+    --expect "on 1 processes on cuda \(nccl\)" -- \
+    "${torchrun[@]}" --nproc_per_node 1 -m dynamic_model.train --device cuda --epochs 1 \
+    --checkpoint-dir "$work/ddp"
+check "DDP over gloo, 2 ranks on one $device device" --timeout 90 --expect "^ddp over gloo ok" -- \
+    "${torchrun[@]}" --nproc_per_node 2 "$gpu_checks_dir/ddp_one_device.py" "$device"
+check "train --device cuda under torchrun, 2 ranks and 1 GPU: a clear error" --cuda --timeout 90 \
+    --status 1 --expect "torchrun started 2 processes on this node, but only 1 CUDA device" -- \
+    env CUDA_VISIBLE_DEVICES=0 "${torchrun[@]}" --nproc_per_node 2 -m dynamic_model.train \
+    --device cuda --epochs 1
+check "train --device auto under torchrun, 2 ranks and 1 GPU: the CPU over gloo" --cuda --timeout 90 \
+    --expect "on 2 processes on cpu \(gloo\)" -- \
+    env CUDA_VISIBLE_DEVICES=0 "${torchrun[@]}" --nproc_per_node 2 -m dynamic_model.train \
+    --device auto --epochs 1
 
-check generated-tests 0 "$python" -m pytest -p dynamic_model.testing.plugin --gpu -q -rs \
-    -p no:cacheprovider tests/test_commands.py
+check "train throughput, $device against cpu" --timeout 150 --expect "relative to cpu" -- \
+    "$python" "$gpu_checks_dir/throughput.py" "${samples[@]}" \
+    "${throughput_options[@]}" "$device" cpu
 
-if [ "$failed" -ne 0 ]; then
-    echo "commands_gpu: FAILED"
-    exit 1
-fi
-echo "commands_gpu: all checks passed"
+check "generated tests/test_commands.py with --gpu" --cuda --needs pytest --timeout 150 -- \
+    "${pytest_command[@]}" --gpu -q -rs tests/test_commands.py
+
+finish_checks

@@ -2,28 +2,20 @@
 # GPU checks of the autograd_determinism fixture (issue 4), on a machine with an
 # NVIDIA GPU.
 #
-#   bash benchmarks/gpu_checks/determinism_gpu.sh      # from the template repository root
+#   bash benchmarks/gpu_checks/determinism_gpu.sh [--dry-run]    # or through all.sh
 #
 # Needs a CUDA build of torch and pytest in $PYTHON (default: python3). No network:
 # bakes the default project (bake.sh), writes GPU cases next to the generated
 # tests/test_determinism.py and runs both with pytest --gpu -s. Under 2 minutes.
-# Expected: every test passes. The "report" tests pass when the fixture raised the
-# right error; its text is printed between ----- lines (paste it into the issue).
-set -euo pipefail
-
-python=${PYTHON:-python3}
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-# shellcheck source=benchmarks/gpu_checks/bake.sh
-source "$(dirname "$0")/bake.sh"
-
-"$python" - <<'EOF'
-import torch
-assert torch.cuda.is_available(), f"torch {torch.__version__}: CUDA is not available"
-print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}")
-EOF
-
-project=$(bake_project "$work" test_determinism.py)
+# Covered: the example models and a conv net pass on CUDA; index_add_/scatter_add_
+# under deterministic mode; ops without a deterministic CUDA kernel (forward and
+# backward) reported with where they ran; backward ops on CUDA's autograd thread;
+# atomic adds found when deterministic mode is off. The "report" tests pass when the
+# fixture raised the right error; its text is printed between ----- lines.
+set -uo pipefail
+# shellcheck source=benchmarks/gpu_checks/lib.sh
+source "$(dirname "$0")/lib.sh" "$@"
+bake test_determinism.py
 
 cat >"$project/tests/test_determinism_gpu.py" <<'EOF'
 """GPU cases of autograd_determinism: pass on CUDA, index_add_/scatter_add_, clear reports."""
@@ -142,7 +134,8 @@ def test_atomic_adds_in_backward_are_found_when_deterministic_mode_is_off(
     assert "(backward (IndexBackward0) of __getitem__ in the model (Gather) at " in message
 EOF
 
-cd "$project"
-export PYTHONPATH="$project/src"
-timeout 300 "$python" -m pytest -p dynamic_model.testing.plugin -p no:cacheprovider --gpu -s -rA \
-    tests/test_determinism_gpu.py tests/test_determinism.py
+cd "$project" || exit 1
+collect_tests tests/test_determinism_gpu.py tests/test_determinism.py
+check "autograd_determinism on CUDA" --cuda --needs pytest --timeout 85 --expect " passed" -- \
+    "${pytest_command[@]}" --gpu -s -rA tests/test_determinism_gpu.py tests/test_determinism.py
+finish_checks

@@ -1,25 +1,19 @@
 #!/usr/bin/env bash
 # GPU checks of the gradcheck fixture (issue 5), on a machine with an NVIDIA GPU.
 #
-#   bash benchmarks/gpu_checks/gradcheck_gpu.sh      # from the template repository root
+#   bash benchmarks/gpu_checks/gradcheck_gpu.sh [--dry-run]    # or through all.sh
 #
 # Needs a CUDA build of torch and pytest in $PYTHON (default: python3). No network:
-# the project is baked with cookiecutter when it is installed, else its src folder is
-# copied as is (the template copies src/ without rendering) and the one rendered
-# test file gets the package name; the plugin is loaded with -p. Under a minute.
-# Checks, all on the `gpu` device: the generated tests/test_gradients.py (example
-# models, first and second order); dropout and BatchNorm; fast mode on a wide model;
-# a planted wrong parameter gradient failing with the element named (slow and fast
-# mode); a branch boundary reported as such; the user's model left on the GPU in float32.
+# the project is baked as bake.sh says. Under a minute. Checks, all on the `gpu`
+# device, where the fixture works in float64: the generated tests/test_gradients.py
+# (example models, first and second order); dropout and BatchNorm; fast mode on a wide
+# model; a planted wrong parameter gradient failing with the element named (slow and
+# fast mode); a branch boundary reported as such; the user's model left on the GPU in
+# float32.
 set -uo pipefail
-
-python=${PYTHON:-python3}
-work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
-# shellcheck source=benchmarks/gpu_checks/bake.sh
-source "$(dirname "$0")/bake.sh"
-project=$(bake_project "$work" test_gradients.py) || exit 1
-export PYTHONPATH="$project/src${PYTHONPATH:+:$PYTHONPATH}"
+# shellcheck source=benchmarks/gpu_checks/lib.sh
+source "$(dirname "$0")/lib.sh" "$@"
+bake test_gradients.py
 
 cat >"$project/tests/test_gradcheck_gpu.py" <<'EOF'
 import pytest
@@ -85,6 +79,21 @@ def test_branch_boundary_reported_as_boundary(gpu, gradcheck):
     gradcheck(model, x, avoid_boundaries=True)
 
 
+def test_checked_in_float64_on_the_gpu(gpu, gradcheck):
+    seen = set()
+
+    def forward(x, scale):
+        seen.add((x.dtype, x.device.type))
+        return torch.tanh(x) * scale
+
+    x = torch.randn(6, device=gpu, requires_grad=True)
+    gradcheck(forward, x, torch.tensor(2.0, device=gpu, requires_grad=True))
+    print(sorted(map(str, seen)))
+    assert (torch.float64, "cuda") in seen
+    assert {device for _, device in seen} == {"cuda"}
+    assert x.dtype == torch.float32
+
+
 def test_dropout_batch_norm_and_fast_mode(gpu, gradcheck):
     model = seeded(lambda: nn.Sequential(
         nn.Linear(64, 256), nn.BatchNorm1d(256), nn.Tanh(), nn.Dropout(0.2), nn.Linear(256, 10)
@@ -98,9 +107,7 @@ def test_dropout_batch_norm_and_fast_mode(gpu, gradcheck):
 EOF
 
 cd "$project" || exit 1
-"$python" -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, torch.cuda.get_device_name(0))"
-"$python" -m pytest -p dynamic_model.testing.plugin -p no:cacheprovider --gpu -v -rA \
-    --rootdir "$project" tests/test_gradients.py tests/test_gradcheck_gpu.py
-status=$?
-echo "gradcheck GPU checks: exit status $status"
-exit $status
+collect_tests tests/test_gradients.py tests/test_gradcheck_gpu.py
+check "gradcheck on CUDA in float64" --cuda --needs pytest --timeout 50 --expect " passed" -- \
+    "${pytest_command[@]}" --gpu -v -rA tests/test_gradients.py tests/test_gradcheck_gpu.py
+finish_checks
