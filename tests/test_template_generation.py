@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import email.parser
 import json
 import shutil
 import subprocess
@@ -274,8 +275,22 @@ def test_no_file_refers_to_a_file_an_option_removed(baked):
     assert not mentions
 
 
+def editable_metadata(project: Path, folder: Path) -> email.message.Message:
+    """The core metadata that ``pip install --editable`` asks the build backend for."""
+    hook = (
+        "import sys, hatchling.build as backend\n"
+        "print(backend.prepare_metadata_for_build_editable(sys.argv[1]))"
+    )
+    dist_info = subprocess.run(
+        [sys.executable, "-c", hook, folder], cwd=project, check=True, capture_output=True,
+        text=True,
+    ).stdout.strip()  # fmt: skip
+    text = (folder / dist_info / "METADATA").read_text(encoding="utf-8")
+    return email.parser.HeaderParser().parsestr(text)
+
+
 @pytest.mark.parametrize("baked", ["any-language-mit", "own-names-bsd"], indirect=True)
-def test_answers_read_back_from_every_file_that_holds_them(baked):
+def test_answers_read_back_from_every_file_that_holds_them(baked, tmp_path):
     """Each file parsed with its format's parser gives back the answers it holds, and holds
     their non-ASCII characters as themselves (readable UTF-8, not escapes)."""
     answers, project = baked
@@ -288,6 +303,9 @@ def test_answers_read_back_from_every_file_that_holds_them(baked):
     meta = tomllib.loads(texts["pyproject.toml"])["project"]
     assert (meta["name"], meta["description"]) == (full["project"], full["description"])
     assert meta["authors"] == [{"name": full["author"], "email": full["email"]}]
+    metadata = editable_metadata(project, tmp_path)
+    assert metadata["Summary"] == full["description"]
+    assert metadata["Author-email"].endswith(f"<{full['email']}>")
 
     tokens = MarkdownIt("commonmark").enable(["table", "strikethrough"]).parse(texts["README.md"])
     title, description = [token.children for token in tokens if token.type == "inline"][:2]
