@@ -107,6 +107,7 @@ def test_plain_project_links_with_its_recorded_answers(template_clone: Path, tmp
         tmp_path / "out", project="graph-nets", license="BSD-3-Clause",
         description='动态图 🚀 "quoted" \\ model', author="张伟",
     )  # fmt: skip
+    assert not (project / ".cruft.json").exists(), "a plain folder gives no URL to record"
     run("git", "init", "--quiet", cwd=project)
     linked = link(project, template_clone)
     assert linked.returncode == 0, linked.stdout + linked.stderr
