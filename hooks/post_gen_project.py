@@ -1,4 +1,4 @@
-"""Remove what the answers turned off, then print the next steps.
+"""Remove what the answers turned off, record the template for cruft, print the next steps.
 
 Runs inside the new project folder. The answers arrive as JSON data (see
 pre_gen_project.py); none is pasted into this source as code.
@@ -7,7 +7,13 @@ pre_gen_project.py); none is pasted into this source as code.
 import json
 import re
 import shutil
+import subprocess
 from pathlib import Path
+
+from cookiecutter.config import get_user_config
+from cookiecutter.exceptions import UnknownRepoType
+from cookiecutter.repository import expand_abbreviations, is_repo_url
+from cookiecutter.vcs import identify_repo
 
 # Single quotes on purpose: tojson output holds double quotes and never a single one.
 ANSWERS = json.loads(r'{{ cookiecutter | tojson }}')  # fmt: skip
@@ -38,6 +44,50 @@ def remove_caches(project):
     for name in CACHE_DIRS:
         for path in sorted(project.rglob(name), reverse=True):
             shutil.rmtree(path, ignore_errors=True)
+
+
+def git(repo, *args):
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], check=True, capture_output=True, text=True
+    ).stdout.strip()
+
+
+def cruft_state(answers):
+    """The ``.cruft.json`` that ``cruft check``/``update`` need, or None.
+
+    Written for projects that cookiecutter generated from a git URL of the template
+    (cookiecutter cloned it into ``_repo_dir``): the URL, the commit generated from,
+    and the answers. From a plain folder there is no URL to record, and when cruft
+    generates (its context has ``_commit``) cruft writes the file itself.
+    """
+    given = answers.get("_template")
+    if not given or "_commit" in answers:
+        return None
+    template = expand_abbreviations(given, get_user_config()["abbreviations"])
+    try:
+        kind, url = identify_repo(template) if is_repo_url(template) else (None, None)
+    except UnknownRepoType:
+        return None
+    if kind != "git":
+        return None
+    repo_dir = Path(answers["_repo_dir"]).resolve()
+    commit = git(repo_dir, "rev-parse", "HEAD")
+    directory = repo_dir.relative_to(Path(git(repo_dir, "rev-parse", "--show-toplevel")).resolve())
+    recorded = {name: value for name, value in answers.items() if not name.startswith("_")}
+    return {
+        "template": url,
+        "commit": commit,
+        "checkout": answers.get("_checkout"),
+        "context": {"cookiecutter": {**recorded, "_template": url, "_commit": commit}},
+        "directory": None if directory == Path() else directory.as_posix(),
+    }
+
+
+def record_template(project, answers):
+    state = cruft_state(answers)
+    if state is not None:
+        text = json.dumps(state, ensure_ascii=False, indent=2, separators=(",", ": "))
+        (project / ".cruft.json").write_text(text + "\n", encoding="utf-8")
 
 
 def dev_user(project):
@@ -71,4 +121,5 @@ if __name__ == "__main__":
     project = Path.cwd()
     remove_unused(project, ANSWERS)
     remove_caches(project)
+    record_template(project, ANSWERS)
     print("\n".join(next_steps(project, ANSWERS)))

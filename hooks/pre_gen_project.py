@@ -1,24 +1,36 @@
 """Check every answer before a single file is written.
 
-The answers reach this script as JSON data (``tojson`` escapes every quote, so the
-rendered text is a plain string literal); no answer is ever pasted into this source
-as code. Each ``check_<field>`` function returns ``None`` when the value is fine,
-or what is allowed. A bad answer stops generation with one line per bad field on
-stderr, and cookiecutter removes the project folder it had created.
+Each ``check_<field>(value, answers)`` returns ``None`` when the value is fine, or
+what is allowed; ``problems(answers)`` turns those into one line per bad field,
+naming the field, the value and what is allowed. The same functions run twice:
+``local_extensions.py`` calls them while cookiecutter resolves the answers, before
+it creates the project folder (so no refused ``project`` leaves a folder anywhere),
+and cookiecutter runs this file as its pre-generation hook, which receives the
+answers as JSON data (see the last lines); no answer is ever pasted into this
+source as code. Below, the source is taken literally (no Jinja): {% raw %}
 """
 
 import json
 import keyword
 import re
 import sys
+import unicodedata
 
-# Single quotes on purpose: tojson output holds double quotes and never a single one.
-ANSWERS = json.loads(r'{{ cookiecutter | tojson }}')  # fmt: skip
-# Below, the source is taken literally (no Jinja): {% raw %}
-
-COMPATIBILITY = ANSWERS["_compatibility"]
 LICENSES = ("MIT", "Apache-2.0", "BSD-3-Clause", "Proprietary")
 TEMPLATE_SYNTAX = ("{{", "{%", "{#")
+# Unicode categories free text must not hold: controls, format characters (bidi
+# overrides, zero-width spaces, byte order marks), line and paragraph separators,
+# and surrogates (half characters, not encodable as UTF-8).
+REFUSED_CATEGORIES = {
+    "Cc": "control",
+    "Cf": "format",
+    "Zl": "line separator",
+    "Zp": "paragraph separator",
+    "Cs": "surrogate",
+}
+# Zero-width (non-)joiners are format characters that scripts and emoji need inside a
+# word (Persian, Indic scripts, family and profession emoji); they are allowed there.
+JOINERS = ("\u200c", "\u200d")
 
 # Modules a project's package must not shadow: the standard library and what users
 # of this template import next to it (a package named `torch` or `tests` would be
@@ -58,7 +70,7 @@ def module_name_problem(name):
     return None
 
 
-def check_project(value):
+def check_project(value, answers):
     if not isinstance(value, str) or not PROJECT_NAME.fullmatch(value) or len(value) > 64:
         return (
             "at most 64 ASCII letters, digits and single '-', '_' or '.' between them, "
@@ -67,7 +79,7 @@ def check_project(value):
     return module_name_problem(package_for(value))
 
 
-def check_package(value):
+def check_package(value, answers):
     if not isinstance(value, str) or not PACKAGE_NAME.fullmatch(value) or len(value) > 64:
         return (
             "a lowercase Python identifier of at most 64 ASCII letters, digits and '_', "
@@ -76,54 +88,89 @@ def check_package(value):
     return module_name_problem(value)
 
 
+def is_visible(char):
+    """Letters, marks' bases, digits, punctuation and symbols: what a reader can see."""
+    return unicodedata.category(char)[0] in "LNPS"
+
+
+def refused_character(text):
+    """``(index, category name)`` of the first character free text must not hold, or None."""
+    for index, char in enumerate(text):
+        category = unicodedata.category(char)
+        if category not in REFUSED_CATEGORIES:
+            continue
+        if char in JOINERS and 0 < index < len(text) - 1:
+            before, after = unicodedata.category(text[index - 1]), text[index + 1]
+            if before[0] in "LNPSM" and is_visible(after):
+                continue
+        return index, REFUSED_CATEGORIES[category]
+    return None
+
+
+def character_name(char):
+    """``U+202E RIGHT-TO-LEFT OVERRIDE``; surrogates and some controls have no name."""
+    name = unicodedata.name(char, "")
+    return f"U+{ord(char):04X}" + (f" {name}" if name else "")
+
+
 def free_text_problem(value, max_length):
-    if not isinstance(value, str) or not value.strip():
-        return "non-empty text"
+    if not isinstance(value, str) or not any(is_visible(char) for char in value):
+        return "text with at least one visible character"
     if len(value) > max_length:
         return f"at most {max_length} characters"
-    if any(ord(char) < 32 or ord(char) == 127 for char in value):
-        return "one line of text without control characters"
+    refused = refused_character(value)
+    if refused:
+        index, kind = refused
+        return (
+            "one line of text without control, format, line or paragraph separator or "
+            f"surrogate characters (found {kind} character {character_name(value[index])} "
+            f"at position {index + 1})"
+        )
     if any(marker in value for marker in TEMPLATE_SYNTAX):
         return "text without template syntax ({{, {%, {#)"
     return None
 
 
-def check_description(value):
+def check_description(value, answers):
     return free_text_problem(value, 200)
 
 
-def check_author(value):
+def check_author(value, answers):
     return free_text_problem(value, 100)
 
 
-def check_email(value):
+def check_email(value, answers):
     if not isinstance(value, str) or not EMAIL.fullmatch(value) or len(value) > 254:
         return "an email address like you@example.com (ASCII, one '@', a dotted domain)"
     return None
 
 
-def check_torch_version(value):
-    known = list(COMPATIBILITY["torch_cuda"])
+def check_torch_version(value, answers):
+    known = list(answers["_compatibility"]["torch_cuda"])
     if value not in known:
         return f"one of {', '.join(known)}"
     return None
 
 
-def listed_for_torch(table, value, allowed):
+def listed_for_torch(table, value, answers, allowed):
     """None if ``value`` is in the chosen torch's row of ``table``, else what is ``allowed``."""
-    torch = ANSWERS.get("torch_version")
-    row = COMPATIBILITY[table].get(torch)
+    torch = answers.get("torch_version")
+    row = answers["_compatibility"][table].get(torch)
     if row is None or value in row:
         return None  # an unknown torch version is reported under torch_version
     return f"{allowed.format(torch=torch)}: {', '.join(row)}"
 
 
-def check_cuda_version(value):
-    return listed_for_torch("torch_cuda", value, "a CUDA version torch {torch} is built for")
+def check_cuda_version(value, answers):
+    return listed_for_torch(
+        "torch_cuda", value, answers, "a CUDA version torch {torch} is built for"
+    )
 
 
-def check_python_version(value):
-    return listed_for_torch("torch_python", value, "a Python version torch {torch} supports")
+def check_python_version(value, answers):
+    return listed_for_torch(
+        "torch_python", value, answers, "a Python version torch {torch} supports"
+    )
 
 
 def port_problem(value):
@@ -133,26 +180,26 @@ def port_problem(value):
     return None
 
 
-def check_ssh_port(value):
+def check_ssh_port(value, answers):
     return port_problem(value)
 
 
-def check_jupyter(value):
+def check_jupyter(value, answers):
     if not isinstance(value, bool):
         return "yes or no"
     return None
 
 
-def check_jupyter_port(value):
+def check_jupyter_port(value, answers):
     problem = port_problem(value)
     if problem:
         return problem
-    if ANSWERS.get("jupyter") is True and str(value) == str(ANSWERS.get("ssh_port")):
+    if answers.get("jupyter") is True and str(value) == str(answers.get("ssh_port")):
         return "a port number from 1024 to 65535 other than ssh_port (both are published)"
     return None
 
 
-def check_license(value):
+def check_license(value, answers):
     if value not in LICENSES:
         return f"one of {', '.join(LICENSES)}"
     return None
@@ -175,21 +222,25 @@ CHECKS = {
 
 
 def problems(answers):
-    """One line per bad answer: the field, the value and what is allowed."""
+    """One line per bad answer: the field, the value and what is allowed.
+
+    ``answers`` is cookiecutter's context: the answers and the ``_compatibility`` table.
+    """
     lines = []
     for field, check in CHECKS.items():
         value = answers.get(field)
         if field == "package" and lines and value == package_for(str(answers.get("project"))):
             continue  # derived from a project name already reported
-        allowed = check(value)
+        allowed = check(value, answers)
         if allowed:
             lines.append(f"error: {field} = {value!r} is not allowed: expected {allowed}")
     return lines
 
 
+# {% endraw %}
 if __name__ == "__main__":
-    lines = problems(ANSWERS)
+    # Single quotes on purpose: tojson output holds double quotes and never a single one.
+    lines = problems(json.loads(r'{{ cookiecutter | tojson }}'))  # fmt: skip
     if lines:
         print("\n".join(lines), file=sys.stderr)
         sys.exit(1)
-# {% endraw %}

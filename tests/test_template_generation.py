@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import email.parser
 import json
 import shutil
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 import yaml
 from conftest import TEMPLATE_DIR, bake_project
 from expected_files import FILES_BY_ANSWER, expected_files, resolve_answers
+from markdown_it import MarkdownIt
 from validate_pyproject import api as validate_pyproject_api
 
 CONTEXT = json.loads((TEMPLATE_DIR / "cookiecutter.json").read_text())
@@ -52,6 +54,11 @@ NAMED_COMBINATIONS: dict[str, dict[str, object]] = {
         "license": "Proprietary",
     },
     "jupyter-off-port-unused": {"jupyter": False, "ssh_port": "4000", "jupyter_port": "4000"},
+    "any-language-mit": {
+        "description": 'Rocket 🚀 动态图模型 𠮷: "quoted" \\ C:\\new *not bold* 1. <b>&amp; $5',
+        "author": '张伟 𠮷田 "Q" \\ O\'Brien',
+        "email": "zhang.wei@example.cn",
+    },
 }
 CHOICE_FIELDS = ("python_version", "torch_version", "cuda_version", "license")
 EVERY_VALUE: dict[str, dict[str, object]] = {
@@ -272,3 +279,65 @@ def test_no_file_refers_to_a_file_an_option_removed(baked):
         if name in path.read_text(encoding="utf-8")
     ]
     assert not mentions
+
+
+def editable_metadata(project: Path, folder: Path) -> email.message.Message:
+    """The core metadata that ``pip install --editable`` asks the build backend for."""
+    hook = (
+        "import sys, hatchling.build as backend\n"
+        "print(backend.prepare_metadata_for_build_editable(sys.argv[1]))"
+    )
+    dist_info = subprocess.run(
+        [sys.executable, "-c", hook, folder], cwd=project, check=True, capture_output=True,
+        text=True,
+    ).stdout.strip()  # fmt: skip
+    text = (folder / dist_info / "METADATA").read_text(encoding="utf-8")
+    return email.parser.HeaderParser().parsestr(text)
+
+
+@pytest.mark.parametrize("baked", ["any-language-mit", "own-names-bsd"], indirect=True)
+def test_answers_read_back_from_every_file_that_holds_them(baked, tmp_path):
+    """Each file parsed with its format's parser gives back the answers it holds, and holds
+    their non-ASCII characters as themselves (readable UTF-8, not escapes)."""
+    answers, project = baked
+    full = resolve_answers(**answers)
+    texts = {path: (project / path).read_text(encoding="utf-8") for path in (
+        "pyproject.toml", "README.md", "LICENSE", ".devcontainer/devcontainer.json",
+        ".github/workflows/ci.yml", ".template-answers.json",
+    )}  # fmt: skip
+
+    meta = tomllib.loads(texts["pyproject.toml"])["project"]
+    assert (meta["name"], meta["description"]) == (full["project"], full["description"])
+    assert meta["authors"] == [{"name": full["author"], "email": full["email"]}]
+    metadata = editable_metadata(project, tmp_path)
+    assert metadata["Summary"] == full["description"]
+    assert metadata["Author-email"].endswith(f"<{full['email']}>")
+
+    tokens = MarkdownIt("commonmark").enable(["table", "strikethrough"]).parse(texts["README.md"])
+    title, description = [token.children for token in tokens if token.type == "inline"][:2]
+    assert [(child.type, child.content) for child in title] == [("text", full["project"])]
+    assert [(child.type, child.content) for child in description] == [("text", full["description"])]
+
+    copyright_line = next(line for line in texts["LICENSE"].splitlines() if "Copyright" in line)
+    assert copyright_line.endswith(f" {full['author']}")
+
+    devcontainer = json5.loads(texts[".devcontainer/devcontainer.json"])
+    assert devcontainer["name"] == full["project"]
+    assert devcontainer["containerEnv"]["PROJECT_SSH_PORT"] == full["ssh_port"]
+    assert f"source={full['project']}-ssh-host-keys" in devcontainer["mounts"][0]
+
+    workflow = yaml.safe_load(texts[".github/workflows/ci.yml"])
+    assert (
+        workflow["jobs"]["tests"]["strategy"]["matrix"]["python-version"][0]
+        == (full["python_version"])
+    )
+    assert json.loads(texts[".template-answers.json"]) == full
+
+    for path in ("pyproject.toml", "README.md", ".template-answers.json"):
+        assert set(non_ascii(full["description"])) <= set(texts[path]), path
+    for path in ("pyproject.toml", "LICENSE", ".template-answers.json"):
+        assert set(non_ascii(full["author"])) <= set(texts[path]), path
+
+
+def non_ascii(text: object) -> str:
+    return "".join(char for char in str(text) if not char.isascii())

@@ -1,4 +1,5 @@
-"""Generated projects pull later template changes with cruft, from a local clone of the template."""
+"""Generated projects pull later template changes with cruft, from a local clone of the template;
+no answer recorded in a project is ever run as code on the way."""
 
 from __future__ import annotations
 
@@ -92,14 +93,116 @@ def test_cruft_create_then_update(template_clone: Path, tmp_path: Path):
     assert (answers["project"], answers["jupyter"]) == ("graph-nets", False)
 
 
+def link(project: Path, clone: Path) -> subprocess.CompletedProcess[str]:
+    """The README's link command for a project generated from a plain folder (the clone)."""
+    return subprocess.run(
+        [sys.executable, clone / "cruft_link.py", project],
+        cwd=project, env={**os.environ, **GIT_IDENTITY}, capture_output=True, text=True,
+        check=False,
+    )  # fmt: skip
+
+
 def test_plain_project_links_with_its_recorded_answers(template_clone: Path, tmp_path: Path):
-    project = bake_project(tmp_path / "out", project="graph-nets", license="BSD-3-Clause")
+    project = bake_project(
+        tmp_path / "out", project="graph-nets", license="BSD-3-Clause",
+        description='动态图 🚀 "quoted" \\ model', author="张伟",
+    )  # fmt: skip
+    assert not (project / ".cruft.json").exists(), "a plain folder gives no URL to record"
     run("git", "init", "--quiet", cwd=project)
-    answers = (project / ".template-answers.json").read_text()
-    run(CRUFT, "link", template_clone, "--no-input", "--project-dir", project,
-        "--extra-context", answers, cwd=project)  # fmt: skip
+    linked = link(project, template_clone)
+    assert linked.returncode == 0, linked.stdout + linked.stderr
+    assert json.loads((project / ".cruft.json").read_text())["template"] == str(template_clone)
     # The recorded answers regenerate exactly this project: nothing differs.
     assert "diff --git" not in run(
         CRUFT, "diff", "--exit-code", "--project-dir", project, cwd=project
     )
     assert_update_arrives(project, template_clone)
+
+
+def test_project_from_a_git_url_is_ready_for_cruft_update(template_clone: Path, tmp_path: Path):
+    """cookiecutter cloned the template; the post-generation hook recorded what cruft needs."""
+    config = tmp_path / "cookiecutter-config.yaml"
+    config.write_text(f'cookiecutters_dir: "{tmp_path / "clones"}"\n'
+                      f'replay_dir: "{tmp_path / "replay"}"\n')  # fmt: skip
+    url = f"git+file://{template_clone}"
+    out = tmp_path / "out"
+    result = subprocess.run(
+        [sys.executable, "-m", "cookiecutter", url, "--no-input", "--output-dir", out,
+         "project=graph-nets", "author=张伟 🚀"],
+        env={**os.environ, "COOKIECUTTER_CONFIG": str(config)}, capture_output=True, text=True,
+        check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    project = out / "graph-nets"
+    state = json.loads((project / ".cruft.json").read_text(encoding="utf-8"))
+    head = run("git", "rev-parse", "HEAD", cwd=template_clone).strip()
+    answers = json.loads((project / ".template-answers.json").read_text(encoding="utf-8"))
+    assert (state["template"], state["commit"], state["checkout"]) == (
+        f"file://{template_clone}", head, None,
+    )  # fmt: skip
+    recorded = state["context"]["cookiecutter"]
+    assert {name: value for name, value in recorded.items() if not name.startswith("_")} == answers
+    assert answers["author"] == "张伟 🚀"
+    run("git", "init", "--quiet", cwd=project)
+    assert "diff --git" not in run(
+        CRUFT, "diff", "--exit-code", "--project-dir", project, cwd=project
+    )
+    assert_update_arrives(project, template_clone)
+
+
+def payload(marker: Path) -> str:
+    """Jinja that runs a shell command when rendered: it creates ``marker``."""
+    return f"{{{{ cycler.__init__.__globals__.os.popen('touch {marker}').read() }}}}"
+
+
+@pytest.mark.parametrize(
+    "plant",
+    [
+        lambda answers, code: answers.update(description=code),
+        lambda answers, code: answers.update(package=code),
+        lambda answers, code: answers.update(author={"name": code}),
+        lambda answers, code: answers.update({code: "x"}),
+    ],
+    ids=["description", "package", "nested-value", "key"],
+)
+def test_planted_template_syntax_in_the_answers_file_runs_nothing(
+    template_clone: Path, tmp_path: Path, plant
+):
+    project = bake_project(tmp_path / "out")
+    run("git", "init", "--quiet", cwd=project)
+    answers_file = project / ".template-answers.json"
+    answers = json.loads(answers_file.read_text())
+    plant(answers, payload(tmp_path / "PWNED"))
+    answers_file.write_text(json.dumps(answers))
+
+    linked = link(project, template_clone)
+    assert linked.returncode == 1
+    assert "is not allowed: it holds template syntax, which cruft would run as code" in (
+        linked.stderr
+    )
+    assert not (tmp_path / "PWNED").exists()
+    assert not (project / ".cruft.json").exists()
+
+
+def test_cruft_link_alone_runs_a_planted_answer(template_clone: Path, tmp_path: Path):
+    """The reverse, and why the link command checks: cruft renders the answers it is given."""
+    project = bake_project(tmp_path / "out")
+    run("git", "init", "--quiet", cwd=project)
+    answers = json.loads((project / ".template-answers.json").read_text())
+    answers["description"] = payload(tmp_path / "PWNED")
+    subprocess.run(
+        [CRUFT, "link", template_clone, "--no-input", "--project-dir", project,
+         "--extra-context", json.dumps(answers)],
+        cwd=project, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert (tmp_path / "PWNED").exists()
+
+
+def test_link_command_refuses_answers_the_template_refuses(template_clone: Path, tmp_path: Path):
+    project = bake_project(tmp_path / "out")
+    answers_file = project / ".template-answers.json"
+    answers_file.write_text(json.dumps({**json.loads(answers_file.read_text()), "email": "x"}))
+    linked = link(project, template_clone)
+    assert linked.returncode == 1
+    assert linked.stderr.startswith("error: email = 'x' is not allowed: expected an email")
+    assert not (project / ".cruft.json").exists()

@@ -1,8 +1,10 @@
-"""Bad answers stop generation with one line naming the field; answers stay data, never code."""
+"""Bad answers stop generation with one line naming the field, before any folder exists
+anywhere; answers stay data, never code."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import tomllib
@@ -13,6 +15,7 @@ from conftest import TEMPLATE_DIR, bake_project
 from cookiecutter.environment import StrictEnvironment
 from cookiecutter.exceptions import FailedHookException
 from cookiecutter.main import cookiecutter
+from expected_files import resolve_answers
 
 PYTHON_PAYLOAD = "'); import os; os.system('touch PWNED'); ('"
 JINJA_PAYLOAD = "{{ 7*7 }}"
@@ -36,6 +39,19 @@ BAD_ANSWERS = [
     ("description", "two\nlines"),
     ("description", "d" * 201),
     ("description", "tab\there"),
+    ("description", "Rocket \u202e ledom"),  # RIGHT-TO-LEFT OVERRIDE (Cf)
+    ("description", "line\u2028separator"),  # Zl
+    ("description", "para\u2029graph"),  # Zp
+    ("description", "next\u0085line"),  # NEXT LINE (Cc)
+    ("description", "del\x7f"),  # Cc
+    ("description", "\u200b"),  # ZERO WIDTH SPACE only (Cf)
+    ("description", "\u3000\u00a0 "),  # ideographic and no-break spaces: nothing visible
+    ("description", "\u0301"),  # a combining accent with nothing to sit on
+    ("description", "half \ud83d emoji"),  # a lone surrogate (Cs)
+    ("description", "\u200dleading joiner"),  # ZWJ not inside a word
+    ("description", "soft\u00adhyphen"),  # Cf
+    ("author", "\ufeff张伟"),  # BYTE ORDER MARK (Cf)
+    ("author", "张\u2066伟"),  # LEFT-TO-RIGHT ISOLATE (Cf)
     ("author", ""),
     ("author", "   "),
     ("email", "not-an-email"),
@@ -60,7 +76,11 @@ GOOD_ANSWERS = [
     {"description": PYTHON_PAYLOAD},
     {"description": "Modèles dynamiques — 动态图 (50% {faster})"},
     {"description": r"C:\temp\new \u0041 \\ \" '''q'''"},
+    {"description": "Rocket 🚀 model, 𠮷野家 \U0001f9ea"},  # outside the BMP
+    {"description": "动态图模型\u3000（中文）"},  # noqa: RUF001
+    {"description": "family 👨\u200d👩\u200d👧, ❤️\u200d🔥, می\u200cخواهم"},  # noqa: RUF001 (joiners in words)
     {"author": "张三"},
+    {"author": '𠮷田 "Q" \\ O\'Brien'},
     {"email": "first.last+tag@sub.example.co.uk"},
     {"ssh_port": "1024", "jupyter_port": "65535"},
     {"jupyter": False, "jupyter_port": "2222"},
@@ -87,15 +107,36 @@ def output_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return folder
 
 
+def refusal(output_dir: Path, **answers: object) -> list[str]:
+    """The error lines with which generation of ``answers`` into ``output_dir`` stops."""
+    with pytest.raises(FailedHookException) as refused:
+        bake_project(output_dir, **answers)
+    return str(refused.value).splitlines()
+
+
 @pytest.mark.parametrize(("field", "value"), BAD_ANSWERS)
-def test_bad_answer_stops_generation_naming_the_field(output_dir, capfd, field, value):
-    with pytest.raises(FailedHookException):
-        bake_project(output_dir, **{field: value})
-    errors = [line for line in capfd.readouterr().err.splitlines() if line.startswith("error: ")]
-    assert errors == [errors[0]], f"one line per bad answer, got {errors}"
+def test_bad_answer_stops_generation_naming_the_field(output_dir, field, value):
+    before = entries(output_dir.parent)
+    errors = refusal(output_dir, **{field: value})
+    assert len(errors) == 1, f"one line per bad answer, got {errors}"
     assert errors[0].startswith(f"error: {field} = {value!r} is not allowed: expected ")
-    assert entries(output_dir) == ["keep.txt"]
+    assert errors[0].isprintable(), "the value is shown escaped where it holds invisible characters"
+    assert entries(output_dir.parent) == before
     assert_no_pwned(output_dir.parent, TEMPLATE_DIR)
+
+
+@pytest.mark.parametrize(
+    ("value", "named"),
+    [
+        ("Rocket \u202e ledom", "format character U+202E RIGHT-TO-LEFT OVERRIDE at position 8"),
+        ("a\u2028b", "line separator character U+2028 LINE SEPARATOR at position 2"),
+        ("x\ud800", "surrogate character U+D800 at position 2"),
+        ("\x85", "text with at least one visible character"),
+    ],
+)
+def test_refusal_names_the_invisible_character(output_dir, value, named):
+    (error,) = refusal(output_dir, description=value)
+    assert named in error
 
 
 @pytest.mark.parametrize(
@@ -119,11 +160,9 @@ def test_good_answers_generate(output_dir, answers):
     assert_no_pwned(output_dir.parent, TEMPLATE_DIR)
 
 
-def test_every_bad_answer_gets_its_own_line(output_dir, capfd):
-    with pytest.raises(FailedHookException):
-        bake_project(output_dir, project="2fast", email="x", ssh_port="1", cuda_version="12.8")
-    fields = [line.split()[1] for line in capfd.readouterr().err.splitlines() if "error: " in line]
-    assert fields == ["project", "email", "cuda_version", "ssh_port"]
+def test_every_bad_answer_gets_its_own_line(output_dir):
+    errors = refusal(output_dir, project="2fast", email="x", ssh_port="1", cuda_version="12.8")
+    assert [line.split()[1] for line in errors] == ["project", "email", "cuda_version", "ssh_port"]
 
 
 def test_existing_project_folder_survives_a_bad_answer(output_dir):
@@ -165,7 +204,7 @@ def run_interactive(output_dir: Path, answers: list[str]) -> subprocess.Complete
 def test_typed_payloads_are_refused_not_run(output_dir, typed, field, value):
     result = run_interactive(output_dir, typed)
     assert result.returncode != 0
-    assert f"error: {field} = {value!r} is not allowed" in result.stderr
+    assert f"error: {field} = {value!r} is not allowed" in result.stdout + result.stderr
     assert entries(output_dir) == ["keep.txt"]
     assert_no_pwned(output_dir.parent, TEMPLATE_DIR)
 
@@ -186,49 +225,106 @@ def test_extra_context_python_payload_is_data(output_dir):
     assert_no_pwned(output_dir.parent, TEMPLATE_DIR)
 
 
-def test_python_version_is_checked_against_the_table(output_dir, capfd):
-    """No prompt offers an unsupported Python today; the hook still reads the table as data."""
+def test_python_version_is_checked_against_the_table(output_dir):
+    """No prompt offers an unsupported Python today; the checks still read the table as data."""
     table = {"_compatibility": {"torch_python": {"2.13.0": ["3.12", "3.13"]}}}
-    with pytest.raises(FailedHookException):
-        bake_project(output_dir, python_version="3.11", **table)
-    assert (
+    assert refusal(output_dir, python_version="3.11", **table) == [
         "error: python_version = '3.11' is not allowed: "
         "expected a Python version torch 2.13.0 supports: 3.12, 3.13"
-    ) in capfd.readouterr().err
+    ]
     assert entries(output_dir) == ["keep.txt"]
     assert bake_project(output_dir, python_version="3.12", **table).is_dir()
 
 
 @pytest.mark.parametrize(("given", "seen"), [(2, "'2'"), ("maybe", None)])
-def test_jupyter_must_be_yes_or_no(output_dir, capfd, given, seen):
+def test_jupyter_must_be_yes_or_no(output_dir, given, seen):
     if seen is None:  # cookiecutter converts yes/no words itself and refuses others
         with pytest.raises(ValueError, match="maybe provided for variable jupyter"):
             bake_project(output_dir, jupyter=given)
     else:
-        with pytest.raises(FailedHookException):
-            bake_project(output_dir, jupyter=given)
-        assert (
-            f"error: jupyter = {seen} is not allowed: expected yes or no" in capfd.readouterr().err
-        )
+        assert refusal(output_dir, jupyter=given) == [
+            f"error: jupyter = {seen} is not allowed: expected yes or no"
+        ]
     assert entries(output_dir) == ["keep.txt"]
 
 
-def test_project_name_cannot_place_files_outside_the_output_folder(output_dir, capfd):
-    before = entries(output_dir.parent)
+# Each escapes the output folder, its parent or both, as a path joined to the output folder.
+ESCAPING_PROJECTS = ["a/b", "b/../../../x/y", "../escape", "{tmp}/abs", "..", "a\\b"]
+
+
+@pytest.fixture
+def deep_output_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """An output folder three levels below tmp_path: '../../../x' still lands in tmp_path."""
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "home" / "user" / "out"
+    folder.mkdir(parents=True)
+    (folder / "keep.txt").write_text("the user's file\n")
+    return folder
+
+
+@pytest.mark.parametrize("project", ESCAPING_PROJECTS)
+def test_refused_project_creates_nothing_anywhere(deep_output_dir, tmp_path, project):
+    project = project.format(tmp=tmp_path)
+    before = entries(tmp_path)
+    with pytest.raises(FailedHookException, match=f"error: project = {re.escape(repr(project))}"):
+        bake_project(deep_output_dir, project=project)
+    assert entries(tmp_path) == before
+
+
+@pytest.mark.parametrize("project", ["a/b", "b/../../../x/y"])
+def test_typed_project_path_creates_nothing_anywhere(deep_output_dir, tmp_path, project):
+    before = entries(tmp_path)
+    result = run_interactive(deep_output_dir, [project])
+    assert result.returncode != 0
+    assert f"error: project = {project!r} is not allowed" in result.stdout + result.stderr
+    assert entries(tmp_path) == before
+
+
+def replay_file(folder: Path, **answers: object) -> Path:
+    """A replay file as cookiecutter writes one after the prompts, holding ``answers``.
+
+    Replayed answers are not asked or checked again: only the pre-generation hook sees them.
+    """
+    template = json.loads((TEMPLATE_DIR / "cookiecutter.json").read_text())
+    private = {name: value for name, value in template.items() if name.startswith("_")}
+    context = {**resolve_answers(**answers), **private, "__answers_checked": "yes"}
+    path = folder / "replay" / "template.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps({"cookiecutter": context}))
+    return path
+
+
+@pytest.mark.parametrize(
+    ("project", "left"), [("a/b", "home/user/out/a"), ("b/../../../x/y", "home/x")]
+)
+def test_checking_in_the_hook_alone_would_leave_folders(deep_output_dir, tmp_path, project, left):
+    """Why the answers are checked before generation: cookiecutter 2.7 creates the project
+    folder, then runs the pre-generation hook, and on failure removes only the last folder."""
+    replay = replay_file(tmp_path, project=project)
+    before = set(entries(tmp_path))
     with pytest.raises(FailedHookException):
-        bake_project(output_dir, project="../escape")
-    assert "error: project = '../escape' is not allowed" in capfd.readouterr().err
-    assert entries(output_dir.parent) == before
+        cookiecutter(str(TEMPLATE_DIR), replay=str(replay), output_dir=str(deep_output_dir))
+    assert left in set(entries(tmp_path)) - before
 
 
 @pytest.mark.parametrize("hook", ["pre_gen_project.py", "post_gen_project.py"])
 def test_answers_line_turns_any_text_into_the_same_string(hook):
-    """The hooks' one Jinja line, rendered as cookiecutter does, gives back each answer exactly."""
+    """The hooks' one Jinja expression, rendered as cookiecutter does, gives back each answer."""
     source = (TEMPLATE_DIR / "hooks" / hook).read_text()
-    line = next(text for text in source.splitlines() if text.startswith("ANSWERS = "))
-    template = StrictEnvironment(context={"cookiecutter": {}}).from_string(line)
+    (expression,) = re.findall(r"json\.loads\(r'\{\{ cookiecutter \| tojson \}\}'\)", source)
+    template = StrictEnvironment(context={"cookiecutter": {}}).from_string(expression)
     for text in ["'", "\\", "\\'", "'''", '"""', "\n", "\u2028", "é 张", "</script>", "\\u0027",
-                 "{{ 1 }}", "\x00", PYTHON_PAYLOAD, "\\" * 3]:  # fmt: skip
-        namespace: dict[str, object] = {"json": json}
-        exec(template.render(cookiecutter={"value": text}), namespace)
-        assert namespace["ANSWERS"] == {"value": text}
+                 "{{ 1 }}", "\x00", PYTHON_PAYLOAD, "\\" * 3, "🚀 𠮷"]:  # fmt: skip
+        assert eval(template.render(cookiecutter={"value": text}), {"json": json}) == {
+            "value": text
+        }
+
+
+def test_pre_generation_hook_still_checks_on_its_own(output_dir, tmp_path, capfd):
+    """A replay skips the early check; the hook runs the same checks after cookiecutter
+    created the folder, and cookiecutter removes that folder again."""
+    replay = replay_file(tmp_path, email="x")
+    with pytest.raises(FailedHookException):
+        cookiecutter(str(TEMPLATE_DIR), replay=str(replay), output_dir=str(output_dir))
+    assert "error: email = 'x' is not allowed" in capfd.readouterr().err
+    assert entries(output_dir) == ["keep.txt"]
