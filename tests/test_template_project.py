@@ -12,6 +12,8 @@ COMBINATIONS = {
     "own-names-py310-no-jupyter": {
         "project": "Recursive.Nets",
         "package": "recnets",
+        "description": "动态图模型 🚀 with \"quotes\" and a \\ backslash",
+        "author": "张伟",
         "python_version": "3.10",
         "jupyter": False,
         "license": "Apache-2.0",
