@@ -40,6 +40,7 @@ BASE_FILES = frozenset(
         "src/{package}/models.py",
         "src/{package}/testing/__init__.py",
         "src/{package}/testing/control_flow.py",
+        "src/{package}/testing/decisions.py",
         "src/{package}/testing/determinism.py",
         "src/{package}/testing/global_state.py",
         "src/{package}/testing/gradcheck.py",

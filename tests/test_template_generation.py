@@ -204,6 +204,11 @@ def test_workflow_installs_cpu_torch_and_tests_lowest_python(baked):
     assert f'"torch=={full["torch_version"]}"' in torch_install
     assert "--index-url https://download.pytorch.org/whl/cpu" in torch_install
     assert runs.index(torch_install) < next(i for i, r in enumerate(runs) if ".[dev]" in r)
+    (decisions,) = [step for step in tests["steps"] if "--decisions" in step.get("run", "")]
+    assert "--decisions-json decisions.json" in decisions["run"]
+    assert decisions["if"] == f"matrix.python-version == '{full['python_version']}'"
+    upload = next(s for s in tests["steps"] if s.get("uses", "").startswith("actions/upload-"))
+    assert (upload["if"], upload["with"]["path"]) == (decisions["if"], "decisions.json")
     assert workflow["permissions"] == {}
     for job in workflow["jobs"].values():
         assert job["permissions"] == {"contents": "read"}

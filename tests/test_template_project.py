@@ -12,7 +12,7 @@ COMBINATIONS = {
     "own-names-py310-no-jupyter": {
         "project": "Recursive.Nets",
         "package": "recnets",
-        "description": "动态图模型 🚀 with \"quotes\" and a \\ backslash",
+        "description": '动态图模型 🚀 with "quotes" and a \\ backslash',
         "author": "张伟",
         "python_version": "3.10",
         "jupyter": False,

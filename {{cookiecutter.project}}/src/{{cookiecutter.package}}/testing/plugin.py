@@ -17,6 +17,9 @@ by side each use their own copy.
   tests do); a changed setting is put back too and, as the ini option
   ``torch_global_state`` says, fails the test (``fail``, the default), warns
   (``warn``) or goes unreported (``off``).
+- ``pytest --decisions``: which data-dependent decisions of the project's own code
+  the tests made, with what outcomes (:mod:`.decisions`); ``--decisions-strict``
+  fails the session when a branch saw one outcome only.
 - The fixtures ``gpu``, ``autograd_determinism`` and ``gradcheck``.
 
 The hooks are thin: the decisions live in :mod:`..gpus` and :mod:`.global_state`.
@@ -27,11 +30,14 @@ from __future__ import annotations
 
 import enum
 import gc
+import json
 import os
 import re
+import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -103,6 +109,11 @@ class _Test:
 
 _SESSION = pytest.StashKey[_Session]()
 _TEST = pytest.StashKey[_Test]()
+_DECISIONS_OUTPUT = "torch_decisions"
+_DECISION_HOOKS = f"{__name__}.decisions"
+# The package this plugin belongs to, and the plugin's own folder (not the user's code).
+_PACKAGE_DIR = Path(__file__).resolve().parent.parent
+_PLUGIN_DIR = Path(__file__).resolve().parent
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -113,6 +124,35 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=False,
         help="run the tests that need a CUDA GPU (the gpu fixture or the gpu marker); "
         "with -n, each xdist worker gets its own GPU, and -n auto starts one per GPU",
+    )
+    decisions = parser.getgroup("decisions", "decision coverage (torch)")
+    decisions.addoption(
+        "--decisions",
+        action="store_true",
+        default=False,
+        help="report which data-dependent decisions (if on a tensor, .item(), int(), loop "
+        "counts) of the project's own code the tests made, and their outcomes",
+    )
+    decisions.addoption(
+        "--decisions-source",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="another folder or file whose decisions count (repeatable; the project's "
+        "package is always one); implies --decisions",
+    )
+    decisions.addoption(
+        "--decisions-json",
+        metavar="PATH",
+        default=None,
+        help="write the decision report as JSON to PATH; implies --decisions",
+    )
+    decisions.addoption(
+        "--decisions-strict",
+        action="store_true",
+        default=False,
+        help="fail the session (exit code 1) when a branch saw only one outcome; implies "
+        "--decisions",
     )
     parser.addini(
         GLOBAL_STATE_INI,
@@ -168,6 +208,7 @@ def pytest_configure(config: pytest.Config) -> None:
         "they are still restored after the test, but not reported",
     )
     session = _session(config)
+    _start_decision_coverage(config)
     if not session.gpu_enabled or session.in_worker:
         return  # xdist workers check CUDA at their first GPU test
     session.distributed = config.getoption("dist", "no") != "no" and bool(
@@ -326,6 +367,96 @@ def pytest_runtest_makereport(call: pytest.CallInfo[None]):
     return report
 
 
+def _start_decision_coverage(config: pytest.Config) -> None:
+    """Register the decision-coverage hooks when ``--decisions`` (or an option implying it)
+    was given; a bad path is a usage error naming the option."""
+    sources = config.getoption("decisions_source")
+    json_path = config.getoption("decisions_json")
+    strict = config.getoption("decisions_strict")
+    if not (config.getoption("decisions") or sources or json_path or strict):
+        return
+    base = config.invocation_params.dir
+    resolved = []
+    for source in sources:
+        path = base / source
+        if not path.exists():
+            raise pytest.UsageError(
+                f"--decisions-source {source!r}: no such file or folder (relative to {base})"
+            )
+        resolved.append(path)
+    json_file = base / json_path if json_path else None
+    if json_file is not None and not json_file.parent.is_dir():
+        raise pytest.UsageError(
+            f"--decisions-json {json_path!r}: the folder {json_file.parent} does not exist"
+        )
+    from .decisions import Coverage
+
+    coverage = Coverage([_PACKAGE_DIR, *resolved], config.rootpath, excluded=[_PLUGIN_DIR])
+    config.pluginmanager.register(_DecisionHooks(coverage, json_file, strict), _DECISION_HOOKS)
+
+
+class _DecisionHooks:
+    """``--decisions``: record each test's decisions, merge the workers', report at the end."""
+
+    def __init__(self, coverage: Any, json_file: Path | None, strict: bool) -> None:
+        self.coverage = coverage
+        self.json_file = json_file
+        self.strict = strict
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item) -> Iterator[None]:
+        from .decisions import recording
+
+        with recording(self.coverage, item.nodeid):
+            return (yield)
+
+    def merge_worker(self, workeroutput: dict[str, Any]) -> None:
+        self.coverage.merge_json(workeroutput.get(_DECISIONS_OUTPUT, []))
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        config = session.config
+        if hasattr(config, "workeroutput"):
+            config.workeroutput[_DECISIONS_OUTPUT] = self.coverage.to_json()["sites"]
+            return
+        if self.json_file is not None:
+            _write_atomically(self.json_file, json.dumps(self.coverage.to_json(), indent=2))
+        if self.strict and self.coverage.one_sided() and session.exitstatus == 0:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter: Any, config: pytest.Config) -> None:
+        if hasattr(config, "workeroutput"):
+            return
+        terminalreporter.write_sep("=", "data-dependent decisions")
+        for line in self.coverage.report_lines():
+            terminalreporter.write_line(line)
+        one_sided = self.coverage.one_sided()
+        if self.strict and one_sided:
+            terminalreporter.write_line(
+                f"--decisions-strict: {len(one_sided)} branch(es) saw one outcome only; "
+                "add tests that take the other side:",
+                red=True,
+            )
+            for site in one_sided:
+                missing = site.missing_outcomes
+                never = "never reached" if len(missing) == 2 else f"never {missing[0]}"
+                terminalreporter.write_line(f"  {site.path}:{site.line}: {never}", red=True)
+        if self.json_file is not None:
+            terminalreporter.write_line(f"decision report written to {self.json_file}")
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that a reader sees the old file or the whole new one."""
+    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
+            stream.write(text)
+        os.replace(temporary, path)
+    except BaseException:
+        os.unlink(temporary)
+        raise
+
+
 class _XdistHooks:
     """Hooks that exist only with pytest-xdist: one GPU per worker."""
 
@@ -347,6 +478,12 @@ class _XdistHooks:
         devices = gpus.assign_devices(session.visible, len(specs))
         for spec, device in zip(specs, devices, strict=True):
             spec.env[VISIBLE_DEVICES] = device
+
+    def pytest_testnodedown(self, node: Any) -> None:
+        # On the controller, once per worker: what its tests' decisions were.
+        decision_hooks = node.config.pluginmanager.get_plugin(_DECISION_HOOKS)
+        if decision_hooks is not None:
+            decision_hooks.merge_worker(getattr(node, "workeroutput", {}))
 
 
 def _xdist_worker_count(tx: list[str]) -> int:

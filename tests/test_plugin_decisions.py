@@ -1,0 +1,234 @@
+"""``pytest --decisions``: decision coverage of the project's own data-dependent code.
+
+Each session runs in its own interpreter (``runpytest_subprocess``), as a user's does.
+The models live in a folder of their own given with ``--decisions-source``; the
+default project's package (always a source) is used through ``MeanGatedNet``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import PLUGIN_MODULE
+
+GATED_MODEL = """
+import torch
+from torch import nn
+
+
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.linear(x)
+        if h.mean() > 0:
+            return torch.relu(h)
+        return torch.tanh(h)
+
+
+def unrolled(x):
+    steps = int(x.abs().sum().ceil())
+    for _ in range(steps):
+        x = x * 0.5
+    return x
+
+
+def scale_of(x):
+    return x.max().item()
+"""
+
+ONE_SIDE = """
+import torch
+from mymodels import Gated
+
+
+def test_positive_side():
+    torch.manual_seed(0)
+    model = Gated()
+    with torch.no_grad():
+        model.linear.bias.fill_(10.0)
+    model(torch.randn(3, 4))
+"""
+
+OTHER_SIDE = """
+import torch
+from mymodels import Gated
+
+
+def test_negative_side():
+    torch.manual_seed(0)
+    model = Gated()
+    with torch.no_grad():
+        model.linear.bias.fill_(-10.0)
+    model(torch.randn(3, 4))
+"""
+
+LOOPS_AND_NUMBERS = """
+import pytest
+import torch
+from mymodels import scale_of, unrolled
+
+
+@pytest.mark.parametrize("total", [1.0, 2.5, 4.0])
+def test_unrolled(total):
+    unrolled(torch.full((2,), total / 2))
+
+
+def test_scale():
+    assert scale_of(torch.tensor([1.0, 7.5])) == 7.5
+
+
+def test_decisions_outside_the_sources_are_not_listed():
+    x = torch.tensor([1.0, -2.0])
+    if x.sum() < 0:  # this test file is no source
+        x = torch.nn.functional.normalize(x, dim=0)  # neither is torch
+    assert x.abs().max().item() > 0
+"""
+
+
+def run(pytester: pytest.Pytester, *args: str) -> pytest.RunResult:
+    pytester.makepyfile(mymodels=GATED_MODEL)
+    return pytester.runpytest_subprocess(
+        "-p", PLUGIN_MODULE, "-p", "no:cacheprovider", "--decisions-source", "mymodels.py", *args
+    )
+
+
+def report(result: pytest.RunResult) -> str:
+    text = result.stdout.str()
+    return text[text.index("data-dependent decisions") :]
+
+
+def test_a_branch_tested_on_one_side_is_reported_and_fails_under_strict(plugin_pytester):
+    plugin_pytester.makepyfile(test_one_side=ONE_SIDE)
+    result = run(plugin_pytester, "--decisions")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(
+        [
+            "*= data-dependent decisions =*",
+            "Each row is a line of the project's code that turned tensor data into a Python *",
+            "branches count each outcome (an outcome never seen is untested code)*",
+            "mymodels.py:12: if h.mean() > 0:",
+            "    branch: True x1, False x0 (never False)",
+            "    reached by 1 test(s): test_one_side.py::test_positive_side",
+        ]
+    )
+    strict = run(plugin_pytester, "--decisions-strict")
+    assert strict.ret == pytest.ExitCode.TESTS_FAILED
+    strict.stdout.fnmatch_lines(
+        [
+            "--decisions-strict: 1 branch(es) saw one outcome only; add tests that take the "
+            "other side:",
+            "  mymodels.py:12: never False",
+            "*1 passed*",
+        ]
+    )
+
+
+def test_strict_passes_once_a_test_takes_the_other_side(plugin_pytester):
+    plugin_pytester.makepyfile(test_one_side=ONE_SIDE, test_other_side=OTHER_SIDE)
+    result = run(plugin_pytester, "--decisions-strict")
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.fnmatch_lines(
+        ["mymodels.py:12: if h.mean() > 0:", "    branch: True x1, False x1"]
+    )
+    assert "--decisions-strict:" not in result.stdout.str()
+
+
+def test_loop_counts_and_numbers_and_only_the_sources(plugin_pytester):
+    plugin_pytester.makepyfile(test_loops=LOOPS_AND_NUMBERS)
+    result = run(plugin_pytester, "--decisions")
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.fnmatch_lines(
+        [
+            "mymodels.py:18: steps = int(x.abs().sum().ceil())",
+            "    number: 3 values, min 1, max 4, 3 distinct",
+            "mymodels.py:25: return x.max().item()",
+            "    number: 1 values, min 7.5, max 7.5, 1 distinct",
+        ]
+    )
+    shown = report(result)
+    assert "test_loops.py" not in shown.split("short test summary")[0].split("reached by")[0]
+    assert "torch/" not in shown
+    assert "x.sum() < 0" not in shown
+
+
+def test_a_loop_over_a_tensor_count_is_a_loop_count(plugin_pytester):
+    plugin_pytester.makepyfile(
+        loopy="def repeat(x, n):\n    for _ in range(n):\n        x = x + 1\n    return x\n",
+        test_loopy=(
+            "import torch\nfrom loopy import repeat\n\n"
+            "def test_repeat():\n"
+            "    assert repeat(torch.zeros(1), torch.tensor(3)).item() == 3\n"
+        ),
+    )
+    result = run(plugin_pytester, "--decisions-source", "loopy.py")
+    result.stdout.fnmatch_lines(
+        ["loopy.py:2: for _ in range(n):", "    loop count: 1 values, min 3, max 3, 1 distinct"]
+    )
+
+
+def test_the_projects_package_is_a_source_and_the_json_report(plugin_pytester):
+    plugin_pytester.makepyfile(
+        test_gated=(
+            "import torch\nfrom dynamic_model import MeanGatedNet\n\n"
+            "def test_gated():\n    torch.manual_seed(0)\n    MeanGatedNet()(torch.randn(4, 8))\n"
+        )
+    )
+    result = plugin_pytester.runpytest_subprocess(
+        "-p", PLUGIN_MODULE, "--decisions-json", "decisions.json"
+    )
+    assert result.ret == 0, result.stdout.str()
+    data = json.loads((plugin_pytester.path / "decisions.json").read_text())
+    (site,) = data["sites"]
+    assert site["path"].endswith("dynamic_model/models.py")
+    assert site["source"] == "if h.mean() > 0:"
+    assert site["kind"] == "branch"
+    assert sum(site["outcomes"].values()) == 1
+    assert len(site["missing_outcomes"]) == 1
+    assert site["tests"] == ["test_gated.py::test_gated"]
+    assert "testing/" not in json.dumps(data)  # the plugin's own decisions are not listed
+    result.stdout.fnmatch_lines(["decision report written to *decisions.json"])
+
+
+def test_workers_send_their_records_to_the_controller(plugin_pytester):
+    plugin_pytester.makepyfile(test_one_side=ONE_SIDE, test_other_side=OTHER_SIDE)
+    result = run(plugin_pytester, "--decisions-strict", "-n", "2", "--dist", "loadfile")
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.fnmatch_lines(
+        [
+            "mymodels.py:12: if h.mean() > 0:",
+            "    branch: True x1, False x1",
+            "    reached by 2 test(s): test_one_side.py::test_positive_side, "
+            "test_other_side.py::test_negative_side",
+        ]
+    )
+
+
+def test_without_the_option_nothing_is_recorded(plugin_pytester):
+    plugin_pytester.makepyfile(test_one_side=ONE_SIDE, mymodels=GATED_MODEL)
+    result = plugin_pytester.runpytest_subprocess("-p", PLUGIN_MODULE)
+    assert result.ret == 0
+    assert "data-dependent decisions" not in result.stdout.str()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--decisions-source", "missing/"],
+            "ERROR: --decisions-source 'missing/': no such file or folder (relative to *)",
+        ),
+        (
+            ["--decisions-json", "nowhere/report.json"],
+            "ERROR: --decisions-json 'nowhere/report.json': the folder */nowhere does not exist",
+        ),
+    ],
+)
+def test_bad_paths_are_usage_errors(plugin_pytester, args, message):
+    plugin_pytester.makepyfile("def test_nothing():\n    pass\n")
+    result = plugin_pytester.runpytest_subprocess("-p", PLUGIN_MODULE, *args)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([message])

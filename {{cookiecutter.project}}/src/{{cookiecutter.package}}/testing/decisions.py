@@ -1,0 +1,290 @@
+"""Decision coverage: which data-dependent decisions of the project's own code the tests made.
+
+Line coverage marks ``if h.mean() > 0:`` covered after one outcome; a wrong gradient
+in the branch no test takes still ships. While a test runs, :func:`recording` sees
+every call that turns tensor data into a Python value (the ops of
+:data:`.control_flow.DECISION_OPS`) and, when the line that made it lies in one of
+the source folders, counts its outcome at that site:
+
+- a branch (``Tensor.__bool__``, ``torch.equal``, ...): how often True, how often False;
+- a number read off a tensor (``.item()``, ``float()``, ``.tolist()``): count, min,
+  max, distinct values;
+- a loop count (``range(int(n))``, a tensor used as an index count): the same.
+
+:class:`Coverage` holds the sites, merges what xdist workers recorded and turns into
+the terminal report and the JSON file of ``pytest --decisions``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import linecache
+import math
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+from .control_flow import DECISION_OPS
+
+__all__ = ["Coverage", "DecisionKind", "Site", "recording"]
+
+# Frames between the user's line and the recorder: other torch function modes and
+# torch's dispatch of them.
+_MODE_HANDLERS = frozenset({"__torch_function__", "__torch_dispatch__"})
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_BRANCH_OPS = frozenset({"Tensor.__bool__", "torch.is_nonzero", "torch.equal", "torch.allclose"})
+# Distinct values kept per site; past this the count is shown as "more than".
+_DISTINCT_LIMIT = 1000
+
+
+class DecisionKind(enum.Enum):
+    BRANCH = "branch"
+    NUMBER = "number"
+    LOOP_COUNT = "loop count"
+
+
+@dataclass
+class Site:
+    """One line of the project's code that made data-dependent decisions."""
+
+    path: str
+    line: int
+    kind: DecisionKind
+    source: str
+    ops: set[str] = field(default_factory=set)
+    outcomes: dict[bool, int] = field(default_factory=dict)  # branches
+    count: int = 0
+    minimum: float = math.inf
+    maximum: float = -math.inf
+    distinct: set[float] = field(default_factory=set)
+    distinct_overflow: bool = False
+    tests: set[str] = field(default_factory=set)
+
+    @property
+    def missing_outcomes(self) -> list[bool]:
+        """The branch outcomes never seen (empty for numbers and loop counts)."""
+        if self.kind is not DecisionKind.BRANCH:
+            return []
+        return [outcome for outcome in (True, False) if not self.outcomes.get(outcome)]
+
+    def add(self, op: str, value: Any, test: str) -> None:
+        self.ops.add(op)
+        self.tests.add(test)
+        if self.kind is DecisionKind.BRANCH:
+            outcome = bool(value)
+            self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+            return
+        for number in _numbers(value):
+            self.count += 1
+            self.minimum = min(self.minimum, number)
+            self.maximum = max(self.maximum, number)
+            if len(self.distinct) < _DISTINCT_LIMIT:
+                self.distinct.add(number)
+            elif number not in self.distinct:
+                self.distinct_overflow = True
+
+    def merge(self, other: Site) -> None:
+        self.ops |= other.ops
+        self.tests |= other.tests
+        for outcome, seen in other.outcomes.items():
+            self.outcomes[outcome] = self.outcomes.get(outcome, 0) + seen
+        self.count += other.count
+        self.minimum = min(self.minimum, other.minimum)
+        self.maximum = max(self.maximum, other.maximum)
+        room = _DISTINCT_LIMIT - len(self.distinct)
+        extra = other.distinct - self.distinct
+        self.distinct |= set(sorted(extra)[:room])
+        self.distinct_overflow |= other.distinct_overflow or len(extra) > room
+
+    def outcome_text(self) -> str:
+        if self.kind is DecisionKind.BRANCH:
+            seen = ", ".join(
+                f"{outcome} x{self.outcomes.get(outcome, 0)}" for outcome in (True, False)
+            )
+            missing = self.missing_outcomes
+            return seen + (f" (never {missing[0]})" if len(missing) == 1 else "")
+        if not self.count:
+            return "no numbers"
+        distinct = (
+            f"more than {len(self.distinct)}" if self.distinct_overflow else len(self.distinct)
+        )
+        return (
+            f"{self.count} values, min {_number_text(self.minimum)}, "
+            f"max {_number_text(self.maximum)}, {distinct} distinct"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "path": self.path,
+            "line": self.line,
+            "source": self.source,
+            "kind": self.kind.value,
+            "ops": sorted(self.ops),
+            "tests": sorted(self.tests),
+        }
+        if self.kind is DecisionKind.BRANCH:
+            data["outcomes"] = {str(o): self.outcomes.get(o, 0) for o in (True, False)}
+            data["missing_outcomes"] = [str(outcome) for outcome in self.missing_outcomes]
+        else:
+            data["outcomes"] = {
+                "count": self.count,
+                "min": self.minimum if self.count else None,
+                "max": self.maximum if self.count else None,
+                "distinct": len(self.distinct),
+                "distinct_values": sorted(self.distinct) if not self.distinct_overflow else None,
+            }
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Site:
+        site = cls(data["path"], data["line"], DecisionKind(data["kind"]), data["source"])
+        site.ops = set(data["ops"])
+        site.tests = set(data["tests"])
+        outcomes = data["outcomes"]
+        if site.kind is DecisionKind.BRANCH:
+            site.outcomes = {outcome: outcomes[str(outcome)] for outcome in (True, False)}
+        else:
+            site.count = outcomes["count"]
+            if site.count:
+                site.minimum, site.maximum = outcomes["min"], outcomes["max"]
+            values = outcomes["distinct_values"]
+            site.distinct = set(values) if values is not None else set()
+            site.distinct_overflow = values is None
+        return site
+
+
+def _numbers(value: Any) -> Iterator[float]:
+    """The real numbers in what a decision op returned (``tolist`` gives nested lists)."""
+    if isinstance(value, int | float):  # bool too
+        yield float(value)
+    elif isinstance(value, complex):
+        yield abs(value)
+    elif isinstance(value, list | tuple):
+        for entry in value:
+            yield from _numbers(entry)
+
+
+def _number_text(number: float) -> str:
+    return str(int(number)) if number.is_integer() and abs(number) < 2**53 else f"{number:.6g}"
+
+
+def _kind(op: str, source: str) -> DecisionKind:
+    if op in _BRANCH_OPS:
+        return DecisionKind.BRANCH
+    if op == "Tensor.__index__" or "range(" in source:
+        return DecisionKind.LOOP_COUNT
+    return DecisionKind.NUMBER
+
+
+class Coverage:
+    """The decision sites of one pytest session, keyed by (path, line)."""
+
+    def __init__(self, sources: Sequence[Path], root: Path, excluded: Sequence[Path] = ()) -> None:
+        resolved = [Path(source).resolve() for source in sources]
+        self.source_files = {str(path) for path in resolved if path.is_file()}
+        self.sources = tuple(f"{path}{os.sep}" for path in resolved if not path.is_file())
+        self.excluded = tuple(f"{Path(path).resolve()}{os.sep}" for path in excluded)
+        self.root = root
+        self.sites: dict[tuple[str, int], Site] = {}
+        self.test = ""
+        self._in_source: dict[str, str | None] = {}
+
+    def display_path(self, filename: str) -> str | None:
+        """The path to show for a file in the source folders; None for any other file."""
+        if filename not in self._in_source:
+            resolved = str(Path(filename).resolve())
+            shown = None
+            if resolved in self.source_files or (
+                resolved.startswith(self.sources) and not resolved.startswith(self.excluded)
+            ):
+                shown = os.path.relpath(resolved, self.root)
+                if shown.startswith(os.pardir):
+                    shown = resolved
+            self._in_source[filename] = shown
+        return self._in_source[filename]
+
+    def record(self, op: str, value: Any, filename: str, line: int) -> None:
+        path = self.display_path(filename)
+        if path is None:
+            return
+        site = self.sites.get((path, line))
+        if site is None:
+            source = linecache.getline(filename, line).strip()
+            site = Site(path, line, _kind(op, source), source)
+            self.sites[(path, line)] = site
+        site.add(op, value, self.test)
+
+    def merge_json(self, sites: list[dict[str, Any]]) -> None:
+        for data in sites:
+            other = Site.from_json(data)
+            site = self.sites.get((other.path, other.line))
+            if site is None:
+                self.sites[(other.path, other.line)] = other
+            else:
+                site.merge(other)
+
+    def ordered(self) -> list[Site]:
+        return sorted(self.sites.values(), key=lambda site: (site.path, site.line))
+
+    def one_sided(self) -> list[Site]:
+        """Branch sites that saw only one outcome."""
+        return [site for site in self.ordered() if site.missing_outcomes]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"sites": [site.to_json() for site in self.ordered()]}
+
+    def report_lines(self, tests_shown: int = 3) -> list[str]:
+        lines = [
+            "Each row is a line of the project's code that turned tensor data into a Python "
+            "value during the tests:",
+            "branches count each outcome (an outcome never seen is untested code); numbers and "
+            "loop counts show their range.",
+        ]
+        if not self.sites:
+            return [*lines, "(no data-dependent decisions in the source folders)"]
+        for site in self.ordered():
+            tests = sorted(site.tests)
+            named = ", ".join(tests[:tests_shown])
+            more = f" and {len(tests) - tests_shown} more" if len(tests) > tests_shown else ""
+            lines.append(f"{site.path}:{site.line}: {site.source}")
+            lines.append(f"    {site.kind.value}: {site.outcome_text()}")
+            lines.append(f"    reached by {len(tests)} test(s): {named}{more}")
+        return lines
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self, coverage: Coverage) -> None:
+        super().__init__()
+        self.coverage = coverage
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        op = DECISION_OPS.get(func)
+        if op is not None:
+            frame = sys._getframe(1)
+            while frame is not None and (
+                frame.f_code.co_name in _MODE_HANDLERS
+                or (
+                    frame.f_code.co_filename.startswith(_TORCH_DIR)
+                    and frame.f_code.co_name in ("handle_torch_function", "_wrapped")
+                )
+            ):
+                frame = frame.f_back
+            if frame is not None:
+                self.coverage.record(op, result, frame.f_code.co_filename, frame.f_lineno)
+        return result
+
+
+@contextlib.contextmanager
+def recording(coverage: Coverage, test: str) -> Iterator[None]:
+    """Count the decisions ``test`` makes inside the block into ``coverage``."""
+    coverage.test = test
+    with _Recorder(coverage):
+        yield
