@@ -39,6 +39,7 @@ BASE_FILES = frozenset(
         "src/{package}/gpus.py",
         "src/{package}/models.py",
         "src/{package}/testing/__init__.py",
+        "src/{package}/testing/branches.py",
         "src/{package}/testing/control_flow.py",
         "src/{package}/testing/decisions.py",
         "src/{package}/testing/determinism.py",
