@@ -237,7 +237,8 @@ def test_dict_and_nested_outputs_and_kwargs(gradcheck):
         return {{"sum": (scale * x).sum(), "parts": [x.sin(), (x.cos(), "label", 3)]}}
 
     x = seeded(lambda: torch.randn(3), seed=1).requires_grad_()
-    gradcheck(heads, x, scale=torch.tensor(2.0, requires_grad=True), gradgrad=True)
+    gradcheck(heads, x, forward_kwargs={{"scale": torch.tensor(2.0, requires_grad=True)}},
+              gradgrad=True)
 
 
 def test_complex_inputs(gradcheck):
@@ -373,7 +374,7 @@ EXPECTED_FAILURES = {
     ],
     "test_backward_missing_a_term": [
         "E**WrongGradient: wrong first-order gradient of SquareMissingTerm.apply with respect"
-        " to input args[0][*",
+        " to input inputs[0][*",
         "*the analytical gradient is 0.5 times the numerical one",
     ],
     "test_backward_wrong_sign": ["*WrongGradient*", "*the analytical gradient has the wrong sign*"],
@@ -387,8 +388,8 @@ EXPECTED_FAILURES = {
     ],
     "test_wrong_second_order": [
         "E**WrongGradient: wrong second-order gradient of Cube.apply with respect to input "
-        "args[0][*",
-        "E*d (gradient of input args[0][*]) / d input args[0][*]: numerical *, analytical 0 *",
+        "inputs[0][*",
+        "E*d (gradient of input inputs[0][*]) / d input inputs[0][*]: numerical *, analytical 0 *",
         "E*second order: *",
     ],
     "test_fast_mode_names_the_element": [
@@ -430,9 +431,9 @@ EXPECTED_FAILURES = {
         " connects none of its floating-point outputs (output) to the checked tensors*",
     ],
     "test_kink": [
-        "E**NonDifferentiablePoint: cannot check the gradient of relu at input 0[1]: the "
-        "function is not differentiable there *",
-        "E*d output[1] / d input 0[1]: from the left 0, from the right 1, central 0.5; "
+        "E**NonDifferentiablePoint: cannot check the gradient of relu at input inputs[0][1]: "
+        "the function is not differentiable there *",
+        "E*d output[1] / d input inputs[0][1]: from the left 0, from the right 1, central 0.5; "
         "analytical 0 (the left-hand derivative)",
     ],
     "test_nothing_to_check": [
@@ -498,6 +499,100 @@ def test_wrong_gradients_and_misuse_fail_with_their_cause(plugin_pytester):
         report.fnmatch_lines([line.replace("[", "[[]") for line in expected], consecutive=False)
         if "Boundary" in expected[0] or "NonDifferentiable" in expected[0]:
             report.no_fnmatch_line("*wrong*-order gradient*")
+
+
+CALLING_CONVENTION = """
+import functools
+
+import pytest
+import torch
+from torch import nn
+from helpers import *
+
+
+def normalized(x, eps=1e-5):  # a forward parameter named like the fixture's option
+    assert eps == 0.1  # the forward's eps, not the finite-difference step
+    return x / (x.norm() + eps)
+
+
+def test_forward_kwargs_reach_the_forward(gradcheck):
+    result = gradcheck(normalized, torch.randn(5, requires_grad=True),
+                       forward_kwargs={{"eps": 0.1}}, eps=1e-6)
+    assert [name for name, _ in result.tensors] == ["input x"]
+
+
+def test_modules_behind_wrappers_are_checked(gradcheck):
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(2, 3)
+    before = state_of(net)
+    names = {{
+        "lambda": [n for n, _ in gradcheck(lambda x: net(x), x).tensors],
+        "method": [n for n, _ in gradcheck(net.forward, x).tensors],
+        "partial": [n for n, _ in gradcheck(functools.partial(nn.Sequential.forward, net), x)
+                    .tensors],
+    }}
+    assert names["lambda"][0] == "parameter net.0.weight" and len(names["lambda"]) == 4
+    assert names["method"][0] == "parameter 0.weight"
+    assert len(names["partial"]) == 4
+    assert_same_state(before, state_of(net))
+
+
+def test_unknown_keyword(gradcheck):
+    gradcheck(normalized, torch.randn(5, requires_grad=True), eps=1e-6, scale=0.1)
+
+
+def test_meta_model(gradcheck):
+    with torch.device("meta"):
+        model = nn.Linear(4, 4)
+    gradcheck(model, torch.randn(2, 4))
+
+
+def test_fake_input(gradcheck):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.randn(2, 4, requires_grad=True)
+    gradcheck(torch.sin, x)
+
+
+def test_wrong_parameter_gradient_behind_a_lambda(gradcheck):
+    model = seeded(lambda: Linear(WrongWeightGrad))
+    gradcheck(lambda x: model(x), torch.randn(3, 4))
+"""
+
+EXPECTED_CONVENTION_FAILURES = {
+    "test_unknown_keyword": [
+        "E*TypeError: gradcheck() got unknown keyword argument(s) 'scale': its options are "
+        "params, gradgrad, fast, eps, atol, rtol, avoid_boundaries; keyword arguments of the "
+        "forward go in forward_kwargs={'scale': ...}",
+    ],
+    "test_meta_model": [
+        "E*ValueError: gradcheck: parameter weight is on the meta device: it has a shape and a "
+        "dtype but no values*",
+    ],
+    "test_fake_input": [
+        "E*ValueError: gradcheck: input inputs[0] is a FakeTensor (device cpu): *",
+    ],
+    "test_wrong_parameter_gradient_behind_a_lambda": [
+        "E*WrongGradient: wrong first-order gradient of "
+        "test_wrong_parameter_gradient_behind_a_lambda.<lambda> with respect to parameter "
+        "model.weight[*",
+    ],
+}
+
+
+def assert_failures(result: pytest.RunResult, expected: dict[str, list[str]]) -> None:
+    reports = failure_reports(result)
+    assert reports.keys() == expected.keys()
+    for name, lines in expected.items():
+        report = pytest.LineMatcher(reports[name])
+        report.fnmatch_lines([line.replace("[", "[[]") for line in lines], consecutive=False)
+
+
+def test_calling_convention_and_wrapped_modules(plugin_pytester):
+    result = run_session(plugin_pytester, CALLING_CONVENTION)
+    result.assert_outcomes(passed=2, failed=len(EXPECTED_CONVENTION_FAILURES))
+    assert_failures(result, EXPECTED_CONVENTION_FAILURES)
 
 
 def test_generated_gradient_tests_pass(plugin_pytester, default_project: Path):

@@ -36,7 +36,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import control_flow, global_state
+from . import calls, control_flow, global_state
 from .gpus import version_tuple
 
 DEFAULT_SEED = 0
@@ -322,26 +322,21 @@ class _RunResult:
     values: dict[str, Any]
 
 
-def _module_of(target: Callable[..., Any]) -> nn.Module | None:
-    if isinstance(target, nn.Module):
-        return target
-    owner = getattr(target, "__self__", None)
-    return owner if isinstance(owner, nn.Module) else None
-
-
 class _Subject:
     """The model or function under test, with the state every run starts from."""
 
     def __init__(self, target: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> None:
+        __tracebackhide__ = True
         self.target = target
         self.args = args
         self.kwargs = kwargs
-        module = _module_of(target)
-        self.parameters = (
-            [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-            if module
-            else []
-        )
+        self.roots = calls.reached_modules(target)
+        self.input_names = calls.input_names(target, len(args))
+        modules = [
+            (f"{prefix}.{name}" if prefix and name else prefix or name, module)
+            for prefix, root in self.roots
+            for name, module in root.named_modules(remove_duplicate=False)
+        ]
         # Buffers and frozen parameters are copied: forwards update them (running
         # statistics, momentum encoders), not always with a bump of the version counter,
         # so they are compared by value. Trainable parameters are not copied, which
@@ -349,8 +344,9 @@ class _Subject:
         # changes to them, and the ones made anyway (under no_grad) bump the counter.
         self._parameter_state: list[_Slot] = []
         self._buffer_state: list[_Slot] = []
+        self.parameters: list[tuple[str, torch.Tensor]] = []
         copies: dict[int, torch.Tensor | None] = {}
-        for prefix, submodule in module.named_modules(remove_duplicate=False) if module else ():
+        for prefix, submodule in modules:
             for slots, tensors in (
                 (self._parameter_state, submodule._parameters),
                 (self._buffer_state, submodule._buffers),
@@ -358,11 +354,26 @@ class _Subject:
                 for key, tensor in tensors.items():
                     if tensor is None:
                         continue
+                    name = f"{prefix}.{key}" if prefix else key
                     if id(tensor) not in copies:
                         trainable = isinstance(tensor, nn.Parameter) and tensor.requires_grad
                         copies[id(tensor)] = None if trainable else tensor.detach().clone()
-                    name = f"{prefix}.{key}" if prefix else key
+                        if trainable:
+                            self.parameters.append((name, tensor))
                     slots.append(_Slot(tensors, key, name, tensor, copies[id(tensor)]))
+        calls.reject_data_less(
+            "autograd_determinism",
+            [
+                *(
+                    (n, t)
+                    for n, t in self._named_inputs(args, kwargs)
+                    if isinstance(t, torch.Tensor)
+                ),
+                *((f"parameter {slot.name}", slot.tensor) for slot in self._parameter_state),
+                *((f"buffer {slot.name}", slot.tensor) for slot in self._buffer_state),
+            ],
+        )
+        self.graph_checked = False
         self._versions = [slot.tensor._version for slot in self._parameter_state]
         self._rng = global_state.snapshot()
         self._ran = False  # whether a run may have changed the state since the last reset
@@ -416,14 +427,18 @@ class _Subject:
 
         args = _map_tensors(self.args, copy)
         kwargs = _map_tensors(self.kwargs, copy)
-        named = [*enumerate(args), *kwargs.items()]
         seen: set[int] = set()
-        for key, value in named:
-            for name, leaf in _named_leaves(value, f"input {key}"):
-                if isinstance(leaf, torch.Tensor) and leaf.requires_grad and id(leaf) not in seen:
-                    seen.add(id(leaf))
-                    differentiated.append((name, leaf))
+        for name, leaf in self._named_inputs(args, kwargs):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad and id(leaf) not in seen:
+                seen.add(id(leaf))
+                differentiated.append((name, leaf))
         return args, kwargs, differentiated
+
+    def _named_inputs(self, args: tuple, kwargs: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+        """``("input x[0]", leaf)`` for each leaf of the inputs, named as :mod:`.calls` says."""
+        named = [*zip(self.input_names, args, strict=True), *kwargs.items()]
+        for key, value in named:
+            yield from _named_leaves(value, f"input {key}")
 
     def changed_buffers(self) -> dict[str, Any]:
         """Copies of the buffers the run changed (in place or by assignment)."""
@@ -485,6 +500,12 @@ def _run_once(
         with recording or contextlib.nullcontext():
             outputs = subject.target(*args, **kwargs)
             leaves = list(_named_leaves(outputs, "output"))
+            if not subject.graph_checked:
+                subject.graph_checked = True
+                if calls.reentrant_checkpoint(t for _, t in leaves):
+                    raise ValueError(
+                        calls.REENTRANT_CHECKPOINT.format(check="autograd_determinism")
+                    )
             wrt = [*subject.parameters, *differentiated_inputs]
             grads = _gradients(leaves, wrt, cotangents)
     except RuntimeError as error:
@@ -566,9 +587,11 @@ class _OpRecord:
 class _ModuleStack:
     """Which module's forward is running, by its name in the model, while active."""
 
-    def __init__(self, root: nn.Module | None) -> None:
-        named = root.named_modules(remove_duplicate=False) if root is not None else ()
-        self._names = {id(module): name for name, module in named}
+    def __init__(self, roots: list[tuple[str, nn.Module]]) -> None:
+        self._names: dict[int, str] = {}
+        for prefix, root in reversed(roots):  # the outermost name wins
+            for name, module in root.named_modules(remove_duplicate=False):
+                self._names[id(module)] = f"{prefix}.{name}" if prefix and name else prefix or name
         self._stack: list[str] = []
         self._handles: list[Any] = []
 
@@ -681,7 +704,7 @@ class _RecordedRun:
 
 
 def _recorded_run(subject: _Subject, cotangents: _Cotangents) -> _RecordedRun:
-    modules = _ModuleStack(_module_of(subject.target))
+    modules = _ModuleStack(subject.roots)
     recorder = _OpRecorder(modules)
     logs: list[control_flow.DecisionLog] = []
 
@@ -785,7 +808,9 @@ class DeterminismResult:
     ``outputs`` has the structure the model returned, tensors detached.
     ``parameter_grads`` maps parameter names to gradients (``None`` where the
     backward pass did not reach the parameter); ``input_grads`` maps input names
-    (``"input 0"``, ``"input mask"``, ``"input 0[1]"``) the same way.
+    the same way: the forward's parameter name (``"x"``, ``"x[1]"`` inside a tuple),
+    ``"inputs[i]"`` where the signature has none, the key of a ``forward_kwargs``
+    entry (``"mask"``); messages call them ``input x``.
     ``buffers`` holds the buffers the forward changed, after the run.
     """
 
@@ -811,7 +836,9 @@ def _result(subject: _Subject, run: _RunResult, runs: int) -> DeterminismResult:
     return DeterminismResult(
         outputs=run.outputs,
         parameter_grads={k: v for k, v in grads.items() if k in parameter_names},
-        input_grads={k: v for k, v in grads.items() if k not in parameter_names},
+        input_grads={
+            k.removeprefix("input "): v for k, v in grads.items() if k not in parameter_names
+        },
         buffers=buffers,
         runs=runs,
     )
@@ -868,31 +895,41 @@ def _nondeterministic_op_error(
 
 def check_determinism(
     model_or_function: Callable[..., Any],
+    /,
     *inputs: Any,
+    forward_kwargs: Mapping[str, Any] | None = None,
     runs: int = 3,
     cross_process: bool = False,
     cotangent_seed: int = DEFAULT_SEED,
-    **kwargs: Any,
+    **unknown: Any,
 ) -> DeterminismResult:
     """Run forward and backward ``runs`` times from identical conditions; all must agree.
 
-    Every run starts from the same parameters and buffers, the same global RNG
-    states (Python, NumPy, torch CPU and CUDA) and fresh copies of ``inputs`` and
-    ``kwargs``; the model and inputs are left as they were. A fixed random
-    cotangent (seeded by ``cotangent_seed``) is pulled back through every
+    Each run calls ``model_or_function(*inputs, **forward_kwargs)``. Every run starts
+    from the same parameters and buffers (of the modules the callable reaches: a
+    module, a bound method, a ``functools.partial``, closures, defaults and globals
+    holding modules), the same global RNG states (Python, NumPy, torch CPU and CUDA)
+    and fresh copies of the inputs; the model and inputs are left as they were. A
+    fixed random cotangent (seeded by ``cotangent_seed``) is pulled back through every
     floating-point output that requires grad, with ``torch.autograd.grad``, so
     ``.grad`` attributes are not touched. Gradients are taken for every parameter
     that requires grad and every floating-point input that requires grad; when
     nothing requires grad, for every floating-point input.
 
     ``cross_process=True`` makes the last run happen in a fresh Python process with
-    the same thread count (model, function and inputs must be picklable).
+    the same thread count (model, function and inputs must be picklable). Options are
+    keyword-only; any other keyword is a ``TypeError``: the forward's keyword arguments
+    go in ``forward_kwargs``.
 
     Raises :class:`DeterminismError` naming the first differing tensor, then the first
     aten op or Python decision where the runs part, or :class:`NondeterministicOpError`
     when an op has no deterministic implementation.
     """
     __tracebackhide__ = True
+    calls.reject_unknown_keywords(
+        "autograd_determinism", unknown, ("runs", "cross_process", "cotangent_seed")
+    )
+    kwargs = calls.forward_kwargs_of("autograd_determinism", forward_kwargs)
     if not callable(model_or_function):
         raise TypeError(
             "model_or_function must be an nn.Module or a callable, "

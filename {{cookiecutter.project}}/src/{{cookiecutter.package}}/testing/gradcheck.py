@@ -26,11 +26,12 @@ offending tensor is rechecked element by element (located by bisection above
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +40,23 @@ from torch import nn
 from torch.autograd.gradcheck import GradcheckError
 from torch.utils import _pytree as pytree
 
-from .control_flow import Decision, DecisionLog, first_divergence, record_decisions
+from .calls import (
+    REENTRANT_CHECKPOINT,
+    forward_kwargs_of,
+    input_names,
+    reached_modules,
+    reentrant_checkpoint,
+    reject_data_less,
+    reject_unknown_keywords,
+)
+from .control_flow import (
+    Decision,
+    DecisionLog,
+    display_path,
+    first_divergence,
+    record_decisions,
+)
+from .float64 import CannotStayFloat64, Float64Mode, Widening
 from .global_state import restore, snapshot
 
 # Above this many checked elements (inputs and parameters together) fast=None picks
@@ -129,6 +146,7 @@ class GradcheckResult:
     mode_reason: str
     moved: int
     seconds: float
+    widened: tuple[str, ...] = ()
 
     @property
     def elements(self) -> int:
@@ -140,14 +158,21 @@ class GradcheckResult:
         return (
             f"gradcheck {self.function}: {order} order passed in {self.seconds:.2f} s, "
             f"{_mode_text(self.fast, self.mode_reason)}, {len(self.tensors)} tensor(s) "
-            f"({', '.join(name for name, _ in self.tensors)}){moved}"
+            f"({', '.join(name for name, _ in self.tensors)}){moved}{_widened_text(self.widened)}"
         )
+
+
+def _widened_text(widened: Sequence[str]) -> str:
+    if not widened:
+        return ""
+    return f"; computed in float64 where the forward asks for less: {', '.join(widened)}"
 
 
 def gradcheck(
     model_or_function: Callable[..., Any],
     /,
     *inputs: Any,
+    forward_kwargs: Mapping[str, Any] | None = None,
     params: bool | Iterable[str] = True,
     gradgrad: bool = False,
     fast: bool | None = None,
@@ -155,24 +180,33 @@ def gradcheck(
     atol: float = 1e-5,
     rtol: float = 1e-3,
     avoid_boundaries: bool = False,
-    **kwargs: Any,
+    **unknown: Any,
 ) -> GradcheckResult:
-    """Check the gradients of ``model_or_function(*inputs, **kwargs)`` against finite differences.
+    """Check the gradients of ``model_or_function(*inputs, **forward_kwargs)`` numerically.
 
-    Checked: every floating-point (or complex) tensor in ``inputs``/``kwargs`` that
-    requires grad and, for an ``nn.Module``, every parameter that requires grad
-    (``params=True``), none (``params=False``) or the parameters named in ``params``.
+    Checked: every floating-point (or complex) tensor in ``inputs``/``forward_kwargs``
+    that requires grad and every parameter that requires grad of the modules the
+    callable reaches (a module, a bound method of one, a ``functools.partial``, a
+    closure, default argument or global holding modules or containers of modules):
+    all of them (``params=True``), none (``params=False``) or the ones named in
+    ``params``. Parameter gradient hooks are part of the checked gradient.
     ``gradgrad=True`` checks second-order gradients as well. ``fast`` forces fast mode
     (``True``) or slow mode (``False``); ``None`` picks fast mode above
     ``FAST_MODE_ABOVE`` checked elements. ``avoid_boundaries=True`` retries at up to
     ``JITTER_ATTEMPTS`` points moved by seeded noise of relative size ``JITTER_SCALE``
-    when the point is on a branch boundary or a kink.
+    when the point is on a branch boundary or a kink. Options are keyword-only; any
+    other keyword is a ``TypeError``: the forward's keyword arguments go in
+    ``forward_kwargs``.
 
-    Raises a :class:`GradcheckFailure` (an ``AssertionError``) naming the element on
-    failure, ``TypeError``/``ValueError`` for arguments it cannot check. The global
-    torch state (RNGs included) is the same afterwards as before.
+    Everything computes in float64 (see :mod:`.float64`); the model and the tensors
+    passed in are left as they were. Raises a :class:`GradcheckFailure` (an
+    ``AssertionError``) naming the element on failure, ``TypeError``/``ValueError`` for
+    arguments it cannot check. The global torch state (RNGs included) is the same
+    afterwards as before.
     """
     __tracebackhide__ = True
+    reject_unknown_keywords("gradcheck", unknown, _OPTIONS)
+    kwargs = forward_kwargs_of("gradcheck", forward_kwargs)
     if isinstance(params, Iterable) and not isinstance(params, (str, bytes)):
         params = list(params)
     _validate_options(model_or_function, params, gradgrad, fast, eps, atol, rtol, avoid_boundaries)
@@ -193,20 +227,24 @@ def gradcheck(
         orders = (1, 2) if gradgrad else (1,)
         check = _Check(problem, fast=use_fast, reason=reason, eps=eps, atol=atol, rtol=rtol)
         moved = 0
-        while True:
-            try:
-                for order in orders:
-                    check.run(order)
-                break
-            except (BranchBoundary, NonDifferentiablePoint) as failure:
-                if not avoid_boundaries:
-                    raise
-                if moved == JITTER_ATTEMPTS:
-                    note = f"(still so after moving the point {moved} times: avoid_boundaries=True)"
-                    failure.args = (f"{failure}\n{note}",)
-                    raise
-                moved += 1
-                problem.jitter(moved)
+        with problem.installed():
+            while True:
+                try:
+                    for order in orders:
+                        check.run(order)
+                    break
+                except (BranchBoundary, NonDifferentiablePoint) as failure:
+                    if not avoid_boundaries:
+                        raise
+                    if moved == JITTER_ATTEMPTS:
+                        note = (
+                            f"(still so after moving the point {moved} times: "
+                            "avoid_boundaries=True)"
+                        )
+                        failure.args = (f"{failure}\n{note}",)
+                        raise
+                    moved += 1
+                    problem.jitter(moved)
         return GradcheckResult(
             function=problem.description,
             tensors=tuple((c.name, c.numel) for c in problem.checked),
@@ -215,9 +253,13 @@ def gradcheck(
             mode_reason=reason,
             moved=moved,
             seconds=time.perf_counter() - started,
+            widened=tuple(str(w) for w in problem.widened.values()),
         )
     finally:
         restore(state)
+
+
+_OPTIONS = ("params", "gradgrad", "fast", "eps", "atol", "rtol", "avoid_boundaries")
 
 
 def _validate_options(function, params, gradgrad, fast, eps, atol, rtol, avoid_boundaries) -> None:
@@ -270,6 +312,7 @@ class _Checked:
     name: str
     value: torch.Tensor
     is_complex: bool
+    hooks: tuple[_Hook, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -313,21 +356,35 @@ class _NoFloatingOutput(TypeError):
     """Raised inside torch's check; re-raised as a plain TypeError without torch's frames."""
 
 
+@dataclass(frozen=True)
+class _Place:
+    """Where a module keeps a parameter or buffer (``owner[key]``), and the user's tensor."""
+
+    owner: dict[str, Any]
+    key: str
+    tensor: torch.Tensor
+
+
 class _Problem:
-    """``model_or_function`` as a function of the checked float64 tensors."""
+    """``model_or_function`` as a function of the checked float64 tensors.
+
+    While :meth:`installed` is active, every module the callable reaches holds float64
+    tensors in place of its parameters and buffers, so that whatever runs the module
+    (the callable, a checkpoint's recomputation in backward) computes in float64; the
+    user's tensor objects are put back afterwards, untouched.
+    """
 
     def __init__(self, function, inputs: tuple, kwargs: dict, params) -> None:
         __tracebackhide__ = True
-        self.module = function if isinstance(function, nn.Module) else None
         self.function = function
         self.description = _describe_callable(function)
+        self.roots = reached_modules(function)
         self.checked: list[_Checked] = []
         self._input_slots: list[tuple[int, int]] = []
-        self._param_slots: list[tuple[str, int]] = []
-        self._constants: dict[str, torch.Tensor] = {}
-        self._buffers: dict[str, torch.Tensor] = {}
         self.output_names: list[str] | None = None
         self.output_dtypes: list[torch.dtype] = []
+        self.widened: dict[Any, Widening] = {}
+        self._evaluated = False
         integer_inputs: list[str] = []
 
         paths_and_leaves, self._spec = pytree.tree_flatten_with_path((inputs, kwargs))
@@ -335,10 +392,21 @@ class _Problem:
         flat = flat and len(paths_and_leaves) == len(inputs) + len(kwargs)
         self._positional = len(inputs)
         self._keywords = list(kwargs) if flat else None
-        names = _positional_names(self.module.forward if self.module else function, len(inputs))
+        names = input_names(function, len(inputs))
+        named_leaves = [
+            ("input " + _input_name(path, names), leaf) for path, leaf in paths_and_leaves
+        ]
+        named_parameters = self._named("_parameters")
+        reject_data_less(
+            "gradcheck",
+            [
+                *((n, t) for n, t in named_leaves if isinstance(t, torch.Tensor)),
+                *((f"parameter {n}", t) for n, t in named_parameters),
+                *((f"buffer {n}", t) for n, t in self._named("_buffers")),
+            ],
+        )
         self._leaves: list[Any] = []
-        for position, (path, leaf) in enumerate(paths_and_leaves):
-            name = "input " + _input_name(path, names)
+        for position, (name, leaf) in enumerate(named_leaves):
             if isinstance(leaf, torch.Tensor):
                 if leaf.layout != torch.strided:
                     raise TypeError(
@@ -355,24 +423,79 @@ class _Problem:
                     integer_inputs.append(f"{name} ({leaf.dtype})")
             self._leaves.append(leaf)
 
-        if self.module is not None:
-            named = dict(self.module.named_parameters())
-            wanted = self._wanted_parameters(named, params)
-            for name, parameter in named.items():
-                if name in wanted:
-                    self._param_slots.append((name, len(self.checked)))
-                    self.checked.append(_checked_copy(f"parameter {name}", parameter))
-                else:
-                    self._constants[name] = _float64_copy(parameter)
-            for name, buffer in self.module.named_buffers():
-                floating = buffer.is_floating_point() or buffer.is_complex()
-                self._buffers[name] = _float64_copy(buffer) if floating else buffer.detach().clone()
+        # By id of the user's tensor: the checked slot, or the float64 constant.
+        self._param_slots: dict[int, int] = {}
+        self._constants: dict[int, torch.Tensor] = {}
+        wanted = self._wanted_parameters(dict(named_parameters), params)
+        for name, parameter in named_parameters:
+            if name in wanted:
+                self._param_slots[id(parameter)] = len(self.checked)
+                self.checked.append(_checked_copy(f"parameter {name}", parameter))
+                self.checked[-1].hooks = _gradient_hooks(parameter)
+            else:
+                self._constants[id(parameter)] = _float64_copy(parameter)
+        self._buffers = {
+            id(buffer): _float64_copy(buffer)
+            if buffer.is_floating_point() or buffer.is_complex()
+            else buffer.detach().clone()
+            for _, buffer in self._named("_buffers")
+        }
+        self._parameter_places, self._buffer_places = self._places()
         if not self.checked:
             raise ValueError(self._nothing_to_check(params, integer_inputs))
         self._generators = _generators(
             [c.value for c in self.checked]
             + [t for t in self._leaves if isinstance(t, torch.Tensor)]
         )
+
+    def _modules(self) -> Iterator[tuple[str, nn.Module]]:
+        """Every module reached, by its full name, shared ones under each of their names."""
+        for prefix, root in self.roots:
+            for name, module in root.named_modules(remove_duplicate=False):
+                yield _joined(prefix, name), module
+
+    def _named(self, kind: str) -> list[tuple[str, torch.Tensor]]:
+        """Each tensor in the ``kind`` dict (``_parameters``, ``_buffers``) of the modules, once."""
+        found: dict[int, tuple[str, torch.Tensor]] = {}
+        for prefix, module in self._modules():
+            for key, tensor in getattr(module, kind).items():
+                if tensor is not None and id(tensor) not in found:
+                    found[id(tensor)] = (_joined(prefix, key), tensor)
+        return list(found.values())
+
+    def _places(self) -> tuple[list[_Place], list[_Place]]:
+        parameters: list[_Place] = []
+        buffers: list[_Place] = []
+        seen: set[int] = set()
+        for _, module in self._modules():
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            for places, tensors in ((parameters, module._parameters), (buffers, module._buffers)):
+                places.extend(_Place(tensors, k, t) for k, t in tensors.items() if t is not None)
+        return parameters, buffers
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Float64 everywhere for the block: default dtype, widening mode, module tensors."""
+        attributes = [
+            (module, {k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)})
+            for module in {id(m): m for _, m in self._modules()}.values()
+        ]
+        mode = Float64Mode()
+        self.widened = mode.widened
+        try:
+            torch.set_default_dtype(torch.float64)
+            with mode:
+                yield
+        finally:
+            for place in (*self._parameter_places, *self._buffer_places):
+                place.owner[place.key] = place.tensor
+            for module, saved in attributes:
+                for key in [k for k, v in vars(module).items() if isinstance(v, torch.Tensor)]:
+                    if key not in saved:
+                        del module.__dict__[key]  # made by the forward during the check
+                module.__dict__.update(saved)
 
     def _wanted_parameters(self, named: dict[str, torch.Tensor], params) -> set[str]:
         __tracebackhide__ = True
@@ -391,8 +514,11 @@ class _Problem:
 
     def _nothing_to_check(self, params, integer_inputs: list[str]) -> str:
         lines = ["gradcheck: nothing to check: no input requires grad"]
-        if self.module is None:
-            lines[0] += f" and {self.description} is not an nn.Module, so it has no parameters"
+        if not self.roots:
+            lines[0] += (
+                f" and {self.description} reaches no nn.Module (neither is one nor holds one "
+                f"in its closure, defaults or bound self), so it has no parameters"
+            )
         elif params is False:
             lines[0] += " and params=False"
         else:
@@ -404,7 +530,7 @@ class _Problem:
             )
         lines.append(
             "call .requires_grad_() on the floating-point inputs to check"
-            + (", or pass params=True" if self.module is not None and params is False else "")
+            + (", or pass params=True" if self.roots and params is False else "")
         )
         return "\n".join(lines)
 
@@ -420,15 +546,37 @@ class _Problem:
             kwargs = dict(zip(self._keywords, leaves[self._positional :], strict=True))
         for generator in self._generators:
             generator.manual_seed(EVALUATION_SEED)
-        if self.module is None:
-            output = self.function(*args, **kwargs)
-        else:
-            tensors = {name: buffer.clone() for name, buffer in self._buffers.items()}
-            tensors.update(self._constants)
-            for name, slot in self._param_slots:
-                tensors[name] = self.checked[slot].as_user(values[slot])
-            output = torch.func.functional_call(self.module, tensors, args, kwargs)
-        return self._floating_outputs(output)
+        current: dict[int, torch.Tensor] = {}
+        for place in self._parameter_places:
+            key = id(place.tensor)
+            if key not in current:
+                slot = self._param_slots.get(key)
+                current[key] = (
+                    self._constants[key] if slot is None else self._with_hooks(slot, values[slot])
+                )
+            place.owner[place.key] = current[key]
+        for place in self._buffer_places:
+            key = id(place.tensor)
+            if key not in current:
+                current[key] = self._buffers[key].clone()  # forwards update buffers in place
+            place.owner[place.key] = current[key]
+        outputs = self._floating_outputs(self.function(*args, **kwargs))
+        if not self._evaluated and any(o.requires_grad for o in outputs):
+            self._evaluated = True
+            if reentrant_checkpoint(outputs):
+                raise _ReentrantCheckpoint(REENTRANT_CHECKPOINT.format(check="gradcheck"))
+        return outputs
+
+    def _with_hooks(self, slot: int, value: torch.Tensor) -> torch.Tensor:
+        """The value a parameter takes in the forward; its gradient runs the user's hooks."""
+        checked = self.checked[slot]
+        value = checked.as_user(value)
+        if not checked.hooks or not value.requires_grad:
+            return value
+        hooked = value.view_as(value)
+        for hook in checked.hooks:
+            hooked.register_hook(hook.function)
+        return hooked
 
     def _floating_outputs(self, output: Any) -> tuple[torch.Tensor, ...]:
         single = type(output) is torch.Tensor and output.is_floating_point()
@@ -462,6 +610,63 @@ class _Problem:
             scale = float(value.abs().mean()) or 1.0
             noise = torch.randn(value.shape, generator=generator, dtype=value.dtype)
             checked.value = value + JITTER_SCALE * scale * noise.to(value.device)
+
+    def module_hooks(self) -> list[str]:
+        """``name: hook (file:line)`` for each backward hook on a module reached."""
+        found = []
+        for name, module in self._modules():
+            for hooks in (module._backward_hooks, module._backward_pre_hooks):
+                found.extend(f"{name or 'the model'}: {_hook_name(h)}" for h in hooks.values())
+        return found
+
+
+class _ReentrantCheckpoint(ValueError):
+    """Raised inside torch's check; re-raised as a plain ValueError without torch's frames."""
+
+
+@dataclass(frozen=True)
+class _Hook:
+    """A gradient hook of a parameter, as the check runs it on the float64 copy."""
+
+    function: Callable[[torch.Tensor], Any]
+    description: str
+
+
+def _gradient_hooks(parameter: torch.Tensor) -> tuple[_Hook, ...]:
+    """The parameter's ``register_hook`` and ``register_post_accumulate_grad_hook`` hooks."""
+    hooks = [_Hook(h, _hook_name(h)) for h in (parameter._backward_hooks or {}).values()]
+    for hook in (getattr(parameter, "_post_accumulate_grad_hooks", None) or {}).values():
+        hooks.append(_Hook(_after_accumulation(hook), _hook_name(hook) + " (post-accumulate)"))
+    return tuple(hooks)
+
+
+def _after_accumulation(hook: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+    """A tensor hook that runs a post-accumulate-grad hook on a stand-in for the parameter.
+
+    The stand-in holds the gradient in ``.grad`` as training would; what the hook
+    leaves there is the gradient that is checked.
+    """
+
+    def run(grad: torch.Tensor) -> torch.Tensor:
+        stand_in = torch.zeros_like(grad)
+        stand_in.grad = grad.detach().clone()
+        hook(stand_in)
+        return grad if stand_in.grad is None else stand_in.grad
+
+    return run
+
+
+def _hook_name(hook: Any) -> str:
+    code = getattr(hook, "__code__", None)
+    name = getattr(hook, "__qualname__", None) or type(hook).__name__
+    if code is None:
+        return name
+    where = f"{display_path(code.co_filename)}:{code.co_firstlineno}"
+    return f"{name.replace('.<locals>', '')} ({where})"
+
+
+def _joined(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
 def _generators(tensors: list[torch.Tensor]) -> list[torch.Generator]:
@@ -498,24 +703,6 @@ def _describe_output(output: Any) -> str:
         for leaf in leaves
     ]
     return f"{type(output).__name__} of [{', '.join(kinds)}]" if leaves else repr(output)
-
-
-def _positional_names(function: Callable[..., Any], count: int) -> list[str]:
-    names: list[str] = []
-    try:
-        parameters = list(inspect.signature(function).parameters.values())
-    except (TypeError, ValueError):
-        parameters = []
-    for parameter in parameters:
-        if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
-            names.append(parameter.name)
-        elif parameter.kind is parameter.VAR_POSITIONAL:
-            names.extend(f"{parameter.name}[{k}]" for k in range(count - len(names)))
-            break
-        else:
-            break
-    names.extend(str(position) for position in range(len(names), count))
-    return names[:count]
 
 
 def _input_name(path: tuple, positional: list[str]) -> str:
@@ -567,6 +754,10 @@ class _Check:
             raise _Diagnosis(self, order, str(error)).failure() from None
         except _NoFloatingOutput as error:
             raise TypeError(str(error)) from None
+        except _ReentrantCheckpoint as error:
+            raise ValueError(str(error)) from None
+        except CannotStayFloat64 as error:
+            raise CannotStayFloat64(str(error)) from None
 
     def _directional(self, order: int, generator: torch.Generator):
         """A function of one scalar per checked tensor: its derivatives are fast mode's checks."""
@@ -924,6 +1115,11 @@ class _Diagnosis:
                 f"note: {', '.join(low)}: the forward casts to a lower precision, "
                 f"which finite differences with eps={c.eps:g} cannot resolve"
             )
+        if self.problem.widened:
+            lines.append(
+                "computed in float64 where the forward asks for less: "
+                + ", ".join(str(w) for w in self.problem.widened.values())
+            )
         mode = _mode_text(c.fast, c.reason)
         if c.fast:
             mode += "; the failing tensor was then rechecked element by element"
@@ -959,6 +1155,19 @@ class _Diagnosis:
         others = len(findings) - len(wrong)
         if others:
             lines.append(f"  ({others} other elements sit at a branch boundary or a kink)")
+        if checked.hooks:
+            lines.append(
+                f"  {checked.name} has gradient hook(s) "
+                f"{', '.join(h.description for h in checked.hooks)}: the gradient training sees "
+                f"goes through them, so they are part of the checked (analytical) gradient; a "
+                f"hook that scales or changes the gradient makes it differ from the derivative"
+            )
+        module_hooks = self.problem.module_hooks()
+        if module_hooks:
+            lines.append(
+                f"  module backward hooks are part of the checked gradient too: "
+                f"{', '.join(module_hooks)}"
+            )
         lines.append(self._footer())
         return WrongGradient(
             "\n".join(lines),
