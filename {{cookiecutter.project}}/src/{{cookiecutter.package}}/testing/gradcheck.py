@@ -634,10 +634,23 @@ class _Hook:
 
 def _gradient_hooks(parameter: torch.Tensor) -> tuple[_Hook, ...]:
     """The parameter's ``register_hook`` and ``register_post_accumulate_grad_hook`` hooks."""
-    hooks = [_Hook(h, _hook_name(h)) for h in (parameter._backward_hooks or {}).values()]
+    hooks = [
+        _Hook(_defined_only(h), _hook_name(h)) for h in (parameter._backward_hooks or {}).values()
+    ]
     for hook in (getattr(parameter, "_post_accumulate_grad_hooks", None) or {}).values():
-        hooks.append(_Hook(_after_accumulation(hook), _hook_name(hook) + " (post-accumulate)"))
+        hooks.append(
+            _Hook(_defined_only(_after_accumulation(hook)), _hook_name(hook) + " (post-accumulate)")
+        )
     return tuple(hooks)
+
+
+def _defined_only(hook: Callable[[torch.Tensor], Any]) -> Callable[[Any], Any]:
+    """``hook``, skipped for the undefined gradients torch's check sends through backward."""
+
+    def run(grad: torch.Tensor | None) -> Any:
+        return None if grad is None else hook(grad)
+
+    return run
 
 
 def _after_accumulation(hook: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
