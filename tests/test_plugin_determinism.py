@@ -681,6 +681,78 @@ def test_calling_convention_and_data_less_tensors(plugin_pytester: pytest.Pytest
     assert "use_reentrant=False" in text
 
 
+THREADS_AND_RESEEDS = """
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+
+import torch
+from torch import nn
+
+layer = nn.Linear(4, 4)
+scales = [1e8, 1.0, -1e8, 3.0]
+
+
+def part(x, scale, wait):
+    time.sleep(wait)
+    return x * scale
+
+
+def pooled(x, in_completion_order):
+    h = layer(x)
+    waits = [b / 2550 for b in os.urandom(len(scales))] if in_completion_order else [0] * 4
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(part, h.detach(), s, w) for s, w in zip(scales, waits)]
+        done = as_completed(futures) if in_completion_order else futures
+        parts = [future.result() for future in done]
+    total = parts[0]
+    for other in parts[1:]:
+        total = total + other  # LINE-SUM
+    return h * total
+
+
+def test_thread_pool_in_submission_order(autograd_determinism):
+    autograd_determinism(pooled, torch.randn(2, 4), forward_kwargs={"in_completion_order": False})
+
+
+def test_thread_pool_race(autograd_determinism):
+    x = torch.randn(2, 4)
+    autograd_determinism(pooled, x, forward_kwargs={"in_completion_order": True}, runs=6)
+
+
+class Reseeding(nn.Module):
+    def __init__(self, seed=None):
+        super().__init__()
+        self.seed = seed
+        self.layer = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5))
+
+    def forward(self, x):
+        seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(4), "little")
+        torch.manual_seed(seed)
+        return self.layer(x)
+
+
+def test_forward_reseeding_with_a_fixed_seed(autograd_determinism):
+    autograd_determinism(Reseeding(seed=7).train(), torch.randn(4, 4))
+
+
+def test_forward_reseeding_from_the_os(autograd_determinism):
+    autograd_determinism(Reseeding().train(), torch.randn(4, 4))
+"""
+
+
+def test_thread_pools_and_reseeds_are_named(plugin_pytester: pytest.Pytester) -> None:
+    result = run_session(plugin_pytester, THREADS_AND_RESEEDS)
+    result.assert_outcomes(passed=2, failed=2)
+    text = failure_section(result, "test_thread_pool_race")
+    assert "so that data came from ops on other threads, which the recorder does not see" in text
+    assert "other Python threads ran during the runs (ThreadPoolExecutor-" in text
+    assert "came from outside torch's ops" not in text
+    text = failure_section(result, "test_forward_reseeding_from_the_os")
+    assert "the forward reseeds torch's global RNG, with a different seed in each run" in text
+    assert "Seed with a fixed value, or not inside the forward" in text
+
+
 # --- plain helpers -------------------------------------------------------------------
 
 

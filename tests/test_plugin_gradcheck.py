@@ -12,7 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo
 from conftest import DEFAULT_PACKAGE, PLUGIN_MODULE
+
+# torch.utils.checkpoint imports torch._dynamo on first use. Imported here first, it
+# stays in sys.modules across the in-process sessions, which otherwise drop it after
+# the first session and import it again, registering its operator libraries twice.
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -481,8 +486,8 @@ def test_correct_models_pass_and_report_their_mode(plugin_pytester):
             " <= FAST_MODE_ABOVE=2,048: every element), 7 tensor(s) (input x, parameter "
             "encoder.weight, *",
             "gradcheck Wide: first and second order passed in * s, fast mode (85,258 elements > "
-            "FAST_MODE_ABOVE=2,048: one random direction per tensor; fast=False checks every "
-            "element), 6 tensor(s) *",
+            "FAST_MODE_ABOVE=2,048: one random direction per tensor, screened for single wrong "
+            "elements; fast=False checks every element), 6 tensor(s) *",
             "gradcheck MeanGatedNet: first order passed in *, at a point moved * off a boundary",
         ],
         consecutive=False,
@@ -773,6 +778,85 @@ def test_float32_habits_wrappers_checkpoints_and_hooks(plugin_pytester):
     result = run_session(plugin_pytester, HABITS)
     result.assert_outcomes(passed=7, failed=len(EXPECTED_HABIT_FAILURES))
     assert_failures(result, EXPECTED_HABIT_FAILURES)
+
+
+MESSAGES = """
+import pytest
+import torch
+from torch import nn
+from helpers import *
+
+
+class TopOneMixture(nn.Module):
+    \"\"\"Each row goes to the expert with the highest gate score (top-1 routing).\"\"\"
+
+    def __init__(self, experts=3, features=4):
+        super().__init__()
+        self.gate = nn.Linear(features, experts)
+        self.experts = nn.ModuleList(nn.Linear(features, features) for _ in range(experts))
+
+    def forward(self, x):
+        scores = self.gate(x)
+        weight, index = scores.softmax(-1).max(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows = (index == e).nonzero().squeeze(1)
+            if rows.numel():
+                out = out.index_add(0, rows, weight[rows, None] * expert(x[rows]))
+        return out
+
+
+def mixture():
+    model = seeded(TopOneMixture)
+    x = seeded(lambda: torch.randn(8, 4), seed=1)
+    return model, x
+
+
+def test_mixture_of_experts_passes(gradcheck):
+    model, x = mixture()
+    gradcheck(model, x.requires_grad_())
+
+
+def test_routing_tie_is_a_jump(gradcheck):
+    model, x = mixture()
+    with torch.no_grad():  # experts 0 and 1 get the same gate score: every row is a tie
+        model.gate.weight[1] = model.gate.weight[0]
+        model.gate.bias[1] = model.gate.bias[0]
+    gradcheck(model, x.requires_grad_())
+
+
+class BothGradientsWrong(LinearFunction):
+    @classmethod
+    def grads(cls, g, x, w):
+        return 1.05 * (g @ w), 0.9 * (g.t() @ x)
+
+
+def test_bug_in_one_expert(gradcheck):
+    model, x = mixture()
+    model.experts[2] = seeded(lambda: Linear(BothGradientsWrong))
+    gradcheck(model, x.requires_grad_())
+"""
+
+EXPECTED_MESSAGES = {
+    "test_routing_tie_is_a_jump": [
+        "E*OutputJump: cannot check the gradient of TopOneMixture at *: the outputs jump there "
+        "(a discontinuity, such as argmax or top-k routing at a tie, *",
+        "E*output[*] changes by * when * moves by eps (1e-06), and by about as much when it "
+        "moves by eps/2*",
+        "E*this is not a wrong gradient",
+    ],
+    "test_bug_in_one_expert": [
+        "E*WrongGradient: wrong first-order gradient of TopOneMixture with respect to input x[*",
+        "E*also wrong: parameter experts.2.weight (16 of 16 elements)",
+    ],
+}
+
+
+def test_jumps_and_the_parameters_of_a_wrong_expert_are_named(plugin_pytester):
+    result = run_session(plugin_pytester, MESSAGES)
+    result.assert_outcomes(passed=1, failed=len(EXPECTED_MESSAGES))
+    assert_failures(result, EXPECTED_MESSAGES)
+    assert "kink" not in failure_reports(result)["test_routing_tie_is_a_jump"][0]
 
 
 def test_generated_gradient_tests_pass(plugin_pytester, default_project: Path):

@@ -24,6 +24,7 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import threading
 import warnings
 import zlib
 from collections.abc import Callable, Iterator, Mapping
@@ -701,30 +702,51 @@ class _OpRecorder(TorchDispatchMode):
 class _RecordedRun:
     decisions: control_flow.DecisionLog
     recorder: _OpRecorder
+    # Python threads other than this one that were alive or started during the run:
+    # the recorders see only this thread's ops.
+    threads: tuple[str, ...]
+    # torch.initial_seed() after the run: it changes only when the run reseeds.
+    seed_after: int
 
 
 def _recorded_run(subject: _Subject, cotangents: _Cotangents) -> _RecordedRun:
     modules = _ModuleStack(subject.roots)
     recorder = _OpRecorder(modules)
     logs: list[control_flow.DecisionLog] = []
+    current = threading.current_thread()
+    # Pool threads started before the run still run its work; others (pytest's, xdist's) do not.
+    threads = {
+        t.name
+        for t in threading.enumerate()
+        if t is not current and t.name.startswith("ThreadPoolExecutor")
+    }
+
+    def started(frame: FrameType, event: str, argument: Any) -> None:
+        threads.add(threading.current_thread().name)  # called once as each new thread starts
 
     @contextlib.contextmanager
     def recording() -> Iterator[None]:
-        with (
-            modules,
-            control_flow.record_decisions() as decisions,
-            _GraphTagger(modules),
-            recorder,
-        ):
-            logs.append(decisions)
-            yield
+        threading.settrace(started)
+        try:
+            with (
+                modules,
+                control_flow.record_decisions() as decisions,
+                _GraphTagger(modules),
+                recorder,
+            ):
+                logs.append(decisions)
+                yield
+        finally:
+            threading.settrace(None)  # type: ignore[arg-type]
 
     with contextlib.suppress(_NondeterministicOpRaised):  # recorded as failed_site
         _run_once(subject, cotangents, recording())
-    return _RecordedRun(logs[0], recorder)
+    return _RecordedRun(logs[0], recorder, tuple(sorted(threads)), torch.initial_seed())
 
 
-def _first_op_difference(a: list[_OpRecord], b: list[_OpRecord]) -> str | None:
+def _first_op_difference(
+    a: list[_OpRecord], b: list[_OpRecord], other_threads: bool = False
+) -> str | None:
     for index, (x, y) in enumerate(zip(a, b, strict=False)):
         number = index + 1
         if x.op != y.op:
@@ -738,11 +760,16 @@ def _first_op_difference(a: list[_OpRecord], b: list[_OpRecord]) -> str | None:
             argument = next(
                 i for i, (p, q) in enumerate(zip(x.inputs, y.inputs, strict=False)) if p != q
             )
+            source = (
+                "ops on other threads, which the recorder does not see"
+                if other_threads
+                else "outside torch's ops (NumPy, Python's random, the clock, the OS, a tensor "
+                "built from Python values)"
+            )
             return (
                 f"first differing op: #{number} {x.op} ({x.site}): its argument {argument} "
                 "differs although every earlier op computed identical values, so that data "
-                "came from outside torch's ops (NumPy, Python's random, the clock, the OS, "
-                "a tensor built from Python values)"
+                f"came from {source}"
             )
         if x.outputs != y.outputs:
             cause = "so this op itself is not deterministic"
@@ -777,25 +804,48 @@ def _localize(subject: _Subject, cotangents: _Cotangents, attempts: int) -> list
     """
     reference = _recorded_run(subject, cotangents)
     found: list[str] = []
+    threads: set[str] = set(reference.threads)
     for attempt in range(2, attempts + 2):
         other = _recorded_run(subject, cotangents)
+        threads.update(other.threads)
         divergence = control_flow.first_divergence(reference.decisions, other.decisions)
-        op_difference = _first_op_difference(reference.recorder.ops, other.recorder.ops)
+        op_difference = _first_op_difference(
+            reference.recorder.ops, other.recorder.ops, bool(threads)
+        )
         if divergence or (op_difference and not found):
             found = [
                 "Localized by rerunning under an op recorder until two reruns differed "
                 f"(run 1 and run 2 below; {attempt} reruns):"
             ]
+            if reference.seed_after != other.seed_after:
+                found.append(
+                    "the forward reseeds torch's global RNG, with a different seed in each run "
+                    f"(torch.initial_seed() after the forward: {reference.seed_after} in run 1, "
+                    f"{other.seed_after} in run 2): a seed from os.urandom, the clock or "
+                    "torch.seed(). The check resets every generator before each run; the "
+                    "reseed undoes that, so each random op after it (dropout, randn) draws "
+                    "other numbers. Seed with a fixed value, or not inside the forward"
+                )
             if divergence:
                 found.append(control_flow.describe_divergence(divergence, run=2))
             if op_difference:
                 found.append(op_difference)
         if divergence or (found and not reference.decisions):
             break
-    return found or [
-        f"Not localized: {attempts + 1} reruns under the op recorder agreed with each other "
-        "(the nondeterminism depends on timing, or the recorder changed it)"
-    ]
+    if not found:
+        found = [
+            f"Not localized: {attempts + 1} reruns under the op recorder agreed with each other "
+            "(the nondeterminism depends on timing, or the recorder changed it)"
+        ]
+    if threads:
+        found.append(
+            f"other Python threads ran during the runs ({', '.join(sorted(threads))}): the op "
+            "recorder sees only the ops of the thread that called the model, so ops on those "
+            "threads are missing from the record; ops racing on other threads (a thread pool "
+            "writing into a shared tensor, or building parts of the graph, whose backward "
+            "then adds up in another order) are the likely cause"
+        )
+    return found
 
 
 # --- the check ------------------------------------------------------------------------

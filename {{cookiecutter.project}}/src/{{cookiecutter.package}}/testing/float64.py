@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._device import DeviceContext
+from torch.utils._device import DeviceContext, _device_constructors
 
 from .control_flow import UNKNOWN_LOCATION, user_location
 
@@ -51,6 +51,8 @@ _TYPE_NAMES = {
     for narrow in ("Float", "Half", "BFloat16")
 }
 _WITH_DTYPE_ARGUMENT = (torch.Tensor.to, torch.Tensor.type)
+_SPECIAL = frozenset({*_CASTS, *_WITH_DTYPE_ARGUMENT, torch.Tensor.view})
+_CONTAINERS = (list, tuple)
 
 
 class CannotStayFloat64(TypeError):
@@ -85,24 +87,40 @@ class Float64Mode(DeviceContext):
     def __init__(self) -> None:
         super().__init__(torch.get_default_device())
         self.widened: dict[tuple[str, str], Widening] = {}
+        # Factories need the device filled in only if a default device other than the
+        # CPU was set (that DeviceContext is replaced by this one while it is active).
+        self._constructors = (
+            _device_constructors() if self.device != torch.device("cpu") else frozenset()
+        )
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        cast = _CASTS.get(func)
-        if cast is not None:
-            what, asked = cast
-            self._note(what, asked)
-            return torch.Tensor.to(args[0], WIDE[asked], **kwargs)
-        dtype = kwargs.get("dtype")
-        if dtype in WIDE:
-            self._note(f"{_name(func)}(dtype={dtype})", dtype)
-            kwargs = {**kwargs, "dtype": WIDE[dtype]}
-        if func in _WITH_DTYPE_ARGUMENT:
-            args = tuple(self._widen_dtype(func, a) if i else a for i, a in enumerate(args))
-        elif func is torch.Tensor.view and len(args) == 2 and isinstance(args[1], torch.dtype):
-            self._reject_reinterpretation(args[0], args[1])
-        args = tuple(self._widen_tensor(func, a) for a in args)
-        return super().__torch_function__(func, types, args, kwargs)
+        # Runs for every torch call of the forward: the common case (no dtype, no cast,
+        # no narrow tensor) costs a few lookups.
+        if kwargs:
+            dtype = kwargs.get("dtype")
+            if dtype in WIDE:
+                self._note(f"{_name(func)}(dtype={dtype})", dtype)
+                kwargs = {**kwargs, "dtype": WIDE[dtype]}
+            if func in self._constructors and kwargs.get("device") is None:
+                kwargs = {**kwargs, "device": self.device}
+        elif func in self._constructors:
+            kwargs = {"device": self.device}
+        else:
+            kwargs = {}
+        if func in _SPECIAL:
+            cast = _CASTS.get(func)
+            if cast is not None:
+                what, asked = cast
+                self._note(what, asked)
+                return torch.Tensor.to(args[0], WIDE[asked], **kwargs)
+            if func is torch.Tensor.view:
+                if len(args) == 2 and isinstance(args[1], torch.dtype):
+                    self._reject_reinterpretation(args[0], args[1])
+            else:
+                args = tuple(self._widen_dtype(func, a) if i else a for i, a in enumerate(args))
+        if _has_narrow(args):
+            args = tuple(self._widen_tensor(func, a) for a in args)
+        return func(*args, **kwargs)
 
     def _widen_dtype(self, func, argument: Any) -> Any:
         if isinstance(argument, torch.dtype) and argument in WIDE:
@@ -141,6 +159,17 @@ class Float64Mode(DeviceContext):
         key = (what, location)
         if key not in self.widened:
             self.widened[key] = Widening(what, asked, location)
+
+
+def _has_narrow(values: Any) -> bool:
+    """Whether a tensor of a narrow dtype is among ``values`` (or in a list or tuple there)."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            if value.dtype in WIDE:
+                return True
+        elif type(value) in _CONTAINERS and _has_narrow(value):
+            return True
+    return False
 
 
 def _location() -> str:

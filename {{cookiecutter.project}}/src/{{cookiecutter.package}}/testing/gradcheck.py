@@ -65,6 +65,10 @@ FAST_MODE_ABOVE = 2048
 # A failing tensor up to this size is rechecked element by element; a larger one is
 # first narrowed down by bisection over random directions.
 ELEMENTWISE_LIMIT = 1024
+# Fast mode flags a tensor for an element-wise search when its directional derivatives
+# disagree by this fraction of its largest gradient element (over √n, see _Check._screen):
+# a single element wrong by 1% of that is found with a margin of 4x.
+SCREENING_FRACTION = 0.0025
 # The diagnosis compares each output element separately up to this many output
 # elements (one backward pass each); above, one random weighting of the outputs.
 OUTPUT_ELEMENTS_LIMIT = 1024
@@ -88,6 +92,7 @@ __all__ = [
     "GradcheckFailure",
     "GradcheckResult",
     "NonDifferentiablePoint",
+    "OutputJump",
     "WrongGradient",
     "gradcheck",
 ]
@@ -133,6 +138,23 @@ class NonDifferentiablePoint(GradcheckFailure):
     ) -> None:
         super().__init__(message)
         self.tensor, self.index, self.left, self.right = tensor, index, left, right
+
+
+class OutputJump(NonDifferentiablePoint):
+    """The outputs jump at ``tensor[index]`` (by ``change`` over one step): a discontinuity."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        tensor: str,
+        index: tuple[int, ...],
+        left: float,
+        right: float,
+        change: float,
+    ) -> None:
+        super().__init__(message, tensor=tensor, index=index, left=left, right=right)
+        self.change = change
 
 
 @dataclass(frozen=True)
@@ -296,8 +318,8 @@ def _is_name_list(value: Any) -> bool:
 def _mode_text(fast: bool, reason: str) -> str:
     if fast:
         return (
-            f"fast mode ({reason}: one random direction per tensor; "
-            "fast=False checks every element)"
+            f"fast mode ({reason}: one random direction per tensor, screened for single wrong "
+            "elements; fast=False checks every element)"
         )
     return f"slow mode ({reason}: every element)"
 
@@ -383,7 +405,11 @@ class _Problem:
         self._input_slots: list[tuple[int, int]] = []
         self.output_names: list[str] | None = None
         self.output_dtypes: list[torch.dtype] = []
-        self.widened: dict[Any, Widening] = {}
+        self._mode = Float64Mode()
+        self.widened: dict[Any, Widening] = self._mode.widened
+        # Whether evaluations run under Float64Mode: None until the first evaluation (which
+        # does) shows whether the forward needs it; True after a check failed without it.
+        self.widen: bool | None = None
         self._evaluated = False
         integer_inputs: list[str] = []
 
@@ -482,12 +508,9 @@ class _Problem:
             (module, {k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)})
             for module in {id(m): m for _, m in self._modules()}.values()
         ]
-        mode = Float64Mode()
-        self.widened = mode.widened
         try:
             torch.set_default_dtype(torch.float64)
-            with mode:
-                yield
+            yield
         finally:
             for place in (*self._parameter_places, *self._buffer_places):
                 place.owner[place.key] = place.tensor
@@ -560,7 +583,13 @@ class _Problem:
             if key not in current:
                 current[key] = self._buffers[key].clone()  # forwards update buffers in place
             place.owner[place.key] = current[key]
-        outputs = self._floating_outputs(self.function(*args, **kwargs))
+        if self.widen is False:
+            outputs = self._floating_outputs(self.function(*args, **kwargs))
+        else:
+            with self._mode:
+                outputs = self._floating_outputs(self.function(*args, **kwargs))
+            if self.widen is None:
+                self.widen = bool(self.widened)
         if not self._evaluated and any(o.requires_grad for o in outputs):
             self._evaluated = True
             if reentrant_checkpoint(outputs):
@@ -739,6 +768,12 @@ def _random_weights(like: torch.Tensor, generator: torch.Generator, *, normalize
     return (weights / weights.sum() if normalized else weights).to(like.device)
 
 
+def _random_signs(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A unit vector of random signs ``±1/√n`` shaped like ``like``."""
+    signs = torch.randint(0, 2, like.shape, generator=generator, dtype=torch.float64) * 2 - 1
+    return (signs / math.sqrt(max(like.numel(), 1))).to(like.device)
+
+
 class _Check:
     def __init__(
         self, problem: _Problem, *, fast: bool, reason: str, eps: float, atol: float, rtol: float
@@ -750,6 +785,18 @@ class _Check:
         __tracebackhide__ = True
         problem = self.problem
         generator = torch.Generator().manual_seed(EVALUATION_SEED)
+        if self.fast and order == 1:
+            try:
+                self._screen(generator)
+            except RuntimeError:
+                if not self._widen_from_now_on():
+                    raise
+                self.run(order)
+            except _NoFloatingOutput as error:
+                raise TypeError(str(error)) from None
+            except _ReentrantCheckpoint as error:
+                raise ValueError(str(error)) from None
+            return
         if self.fast:
             function, inputs = self._directional(order, generator)
         else:
@@ -763,7 +810,11 @@ class _Check:
                 torch.autograd.gradgradcheck(
                     lambda *values: problem.evaluate(values), inputs, **options
                 )
-        except GradcheckError as error:
+        except (GradcheckError, RuntimeError) as error:
+            if self._widen_from_now_on():
+                return self.run(order)
+            if not isinstance(error, GradcheckError):
+                raise
             raise _Diagnosis(self, order, str(error)).failure() from None
         except _NoFloatingOutput as error:
             raise TypeError(str(error)) from None
@@ -771,6 +822,73 @@ class _Check:
             raise ValueError(str(error)) from None
         except CannotStayFloat64 as error:
             raise CannotStayFloat64(str(error)) from None
+
+    def _widen_from_now_on(self) -> bool:
+        """After a failure without Float64Mode: whether to check again with it.
+
+        The first evaluation decides whether the forward needs the mode (it costs a
+        Python call per torch call); a branch it did not take may still narrow a dtype,
+        so a check that fails without the mode is run again with it.
+        """
+        if self.problem.widen is not False:
+            return False
+        self.problem.widen = True
+        return True
+
+    def _screen(self, generator: torch.Generator) -> None:
+        """Fast mode, first order: one random sign direction per checked tensor.
+
+        For ``s = w · outputs`` (random output weights ``w``) one backward pass gives
+        ``∇s`` for every tensor; two forward passes per tensor give the derivative of
+        ``s`` along ``u``, a direction of random signs ``±1/√n``. Along such a direction a
+        single wrong element of error ``δ`` shifts the derivative by ``δ/√n``, whatever
+        the other elements, so besides torch's tolerance (``atol + rtol·|numerical|``)
+        a tensor is flagged when the two differ by more than ``SCREENING_FRACTION`` of
+        its largest gradient element, over ``√n``, plus the rounding error of the
+        differences. A flagged tensor is searched by bisection and its suspects
+        rechecked element by element with ``atol``/``rtol``: only an element that fails
+        there fails the check.
+        """
+        __tracebackhide__ = True
+        problem = self.problem
+        point = [c.value.detach().requires_grad_() for c in problem.checked]
+        outputs = problem.evaluate(point)
+        weights = [_random_weights(o, generator) for o in outputs]
+        total = sum((w * o).sum() for w, o in zip(weights, outputs, strict=True))
+        analytical: Sequence[torch.Tensor | None] = [None] * len(point)
+        if isinstance(total, torch.Tensor) and total.requires_grad:
+            analytical = torch.autograd.grad(total, point, allow_unused=True)
+        failed, flagged = [], []
+        for index, (checked, gradient) in enumerate(zip(problem.checked, analytical, strict=True)):
+            direction = _random_signs(checked.value, generator)
+            sides = []
+            for sign in (1, -1):
+                values = [v.detach() for v in point]
+                values[index] = torch.add(values[index], direction, alpha=sign * self.eps)
+                outputs = problem.evaluate(values)
+                sides.append(
+                    sum((w * o.detach()).sum() for w, o in zip(weights, outputs, strict=True))
+                )
+            plus, minus = (float(side) for side in sides)
+            numerical = (plus - minus) / (2 * self.eps)
+            along = 0.0 if gradient is None else float((gradient * direction).sum())
+            difference = abs(along - numerical)
+            if difference > self.atol + self.rtol * abs(numerical):
+                failed.append(index)
+            elif gradient is not None:
+                rounding = 64 * torch.finfo(torch.float64).eps * (abs(plus) + abs(minus)) / self.eps
+                largest = float(gradient.abs().max()) if gradient.numel() else 0.0
+                if difference > SCREENING_FRACTION * largest / math.sqrt(checked.numel) + rounding:
+                    flagged.append(index)
+        if (failed or flagged) and self._widen_from_now_on():
+            return self._screen(torch.Generator().manual_seed(EVALUATION_SEED))
+        if failed:
+            message = f"Jacobian mismatch for output 0 with respect to input {failed[0]}"
+            raise _Diagnosis(self, 1, message).failure()
+        if flagged:
+            wrong = _Diagnosis(self, 1, "").wrong_in(flagged)
+            if wrong is not None:
+                raise wrong
 
     def _directional(self, order: int, generator: torch.Generator):
         """A function of one scalar per checked tensor: its derivatives are fast mode's checks."""
@@ -873,7 +991,7 @@ def _moved_numbers(a: DecisionLog, b: DecisionLog) -> list[tuple[Decision, Decis
 
 @dataclass
 class _Finding:
-    kind: str  # "wrong", "boundary", "kink"
+    kind: str  # "wrong", "boundary", "kink", "jump"
     checked: _Checked
     element: int
     row: int
@@ -885,6 +1003,7 @@ class _Finding:
     side: str = ""
     one_sided: tuple[float, float] = (0.0, 0.0)
     moved: list = field(default_factory=list)
+    jump: float = 0.0  # for a jump: how much the output changed over one step
 
 
 class _Diagnosis:
@@ -946,7 +1065,8 @@ class _Diagnosis:
         entries = size * sum(c.numel for c in self.problem.checked)
         if size <= OUTPUT_ELEMENTS_LIMIT and entries <= _ANALYTICAL_ENTRIES_LIMIT:
             return None
-        return _random_weights(self.base, self.generator).reshape(1, -1)
+        # Weights of mean 1, not summing to 1: each element counts as much as in a sum.
+        return _random_weights(self.base, self.generator, normalized=False).reshape(1, -1)
 
     def _analytical(self, flat: torch.Tensor, values) -> list[torch.Tensor]:
         """Per checked tensor, the rows of the analytical Jacobian: (rows, elements)."""
@@ -990,7 +1110,8 @@ class _Diagnosis:
             findings = self._examine(index)
             wrong = [f for f in findings if f.kind == "wrong"]
             if wrong:
-                return self._wrong(wrong, findings, index)
+                also = self._also_wrong([i for i in order if i != index])
+                return self._wrong(wrong, findings, index, also)
             explained.extend(findings)
         boundaries = [f for f in explained if f.kind == "boundary"]
         if boundaries:
@@ -998,6 +1119,36 @@ class _Diagnosis:
         if explained:
             return self._kink(explained)
         return GradcheckFailure(self._unexplained())
+
+    def _also_wrong(self, indices: list[int]) -> list[str]:
+        """``name (k of n elements)`` of the other tensors with wrong elements, within budget.
+
+        In a mixture of experts a bug in one expert shows in the input's gradient first;
+        the expert's own parameters are what the message must name.
+        """
+        found = []
+        for index in indices:
+            if self.evaluations > _DIAGNOSIS_EVALUATIONS:
+                break
+            wrong = [f for f in self._examine(index) if f.kind == "wrong"]
+            if wrong:
+                checked = self.problem.checked[index]
+                counted = checked.numel <= ELEMENTWISE_LIMIT
+                found.append(
+                    f"{checked.name} ({len(wrong)} of {checked.numel} elements)"
+                    if counted
+                    else f"{checked.name} (at {checked.element(wrong[0].element)})"
+                )
+        return found
+
+    def wrong_in(self, indices: Iterable[int]) -> WrongGradient | None:
+        """The wrong gradient of the first of these tensors that has one, else ``None``."""
+        for index in indices:
+            findings = self._examine(index)
+            wrong = [f for f in findings if f.kind == "wrong"]
+            if wrong:
+                return self._wrong(wrong, findings, index)
+        return None
 
     def _examine(self, index: int) -> list[_Finding]:
         checked = self.problem.checked[index]
@@ -1020,15 +1171,15 @@ class _Diagnosis:
             halves = candidates.chunk(2)
             scores = []
             for half in halves:
+                # Random signs: a wrong element shows undiluted by the others (see _screen).
                 direction = torch.zeros(checked.numel, dtype=torch.float64)
-                direction[half] = _random_weights(half, self.generator).cpu()
+                direction[half] = _random_signs(half, self.generator).cpu()
                 direction = direction.to(checked.value.device)
                 step = (self.eps * direction).reshape(checked.value.shape)
                 plus, _ = self._evaluate(index, step)
                 minus, _ = self._evaluate(index, -step)
                 numerical = self._project(plus - minus) / (2 * self.eps)
-                difference = (analytical @ direction - numerical).abs()
-                scores.append(float((difference / (self.atol + self.rtol * numerical.abs())).max()))
+                scores.append(float((analytical @ direction - numerical).abs().max()))
             candidates = halves[0] if scores[0] >= scores[1] else halves[1]
         return candidates
 
@@ -1071,6 +1222,20 @@ class _Diagnosis:
         if bool(gap.any()):
             kink_row = int(((right - left).abs() * gap).argmax())
             finding.kind, finding.row = "kink", kink_row
+            # A kink's one-sided changes halve with the step; a jump's stay as they are.
+            half_plus, _ = self._evaluate(index, step / 2)
+            half_minus, _ = self._evaluate(index, -step / 2)
+            for full, half in (
+                (plus - self.base, half_plus - self.base),
+                (self.base - minus, self.base - half_minus),
+            ):
+                full_change = float(self._project(full)[kink_row])
+                half_change = float(self._project(half)[kink_row])
+                jumped = abs(full_change) > max(
+                    self.atol, 10 * self.eps * abs(analytical[kink_row])
+                )
+                if jumped and abs(half_change) > 0.75 * abs(full_change):
+                    finding.kind, finding.jump = "jump", full_change
             finding.one_sided = (float(left[kink_row]), float(right[kink_row]))
             finding.numerical = float(numerical[kink_row])
             finding.analytical = float(analytical[kink_row])
@@ -1142,7 +1307,9 @@ class _Diagnosis:
         )
         return "\n".join(lines)
 
-    def _wrong(self, wrong: list[_Finding], findings: list[_Finding], index: int) -> WrongGradient:
+    def _wrong(
+        self, wrong: list[_Finding], findings: list[_Finding], index: int, also: Sequence[str] = ()
+    ) -> WrongGradient:
         worst = max(wrong, key=lambda f: f.severity)
         checked = worst.checked
         what = ("first", "second")[self.order - 1]
@@ -1168,6 +1335,8 @@ class _Diagnosis:
         others = len(findings) - len(wrong)
         if others:
             lines.append(f"  ({others} other elements sit at a branch boundary or a kink)")
+        if also:
+            lines.append(f"  also wrong: {', '.join(also)}")
         if checked.hooks:
             lines.append(
                 f"  {checked.name} has gradient hook(s) "
@@ -1242,6 +1411,9 @@ class _Diagnosis:
         )
 
     def _kink(self, kinks: list[_Finding]) -> NonDifferentiablePoint:
+        jumps = [f for f in kinks if f.kind == "jump"]
+        if jumps:
+            return self._jump(jumps)
         first = kinks[0]
         left, right = first.one_sided
         element = first.checked.element(first.element)
@@ -1269,6 +1441,32 @@ class _Diagnosis:
             index=first.checked.index(first.element),
             left=left,
             right=right,
+        )
+
+    def _jump(self, jumps: list[_Finding]) -> OutputJump:
+        first = jumps[0]
+        left, right = first.one_sided
+        element = first.checked.element(first.element)
+        output = self._output_element(first.row)
+        lines = [
+            f"cannot check the gradient of {self.problem.description} at {element}: the outputs "
+            f"jump there (a discontinuity, such as argmax or top-k routing at a tie, a "
+            f"comparison, rounding or sorting: not a kink)",
+            f"  {output} changes by {first.jump:.6g} when {element} moves by eps ({self.eps:g}), "
+            f"and by about as much when it moves by eps/2: the change does not shrink with the "
+            f"step, so the one-sided differences ({left:.6g} from the left, {right:.6g} from the "
+            f"right) grow without bound as eps shrinks",
+            f"  {len(jumps)} examined elements are at a jump; this is not a wrong gradient",
+            "  move the point: pass avoid_boundaries=True, or check at inputs away from the tie",
+            self._footer(),
+        ]
+        return OutputJump(
+            "\n".join(lines),
+            tensor=first.checked.name,
+            index=first.checked.index(first.element),
+            left=left,
+            right=right,
+            change=first.jump,
         )
 
     def _detached(self) -> str:
