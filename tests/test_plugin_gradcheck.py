@@ -862,7 +862,7 @@ def test_jumps_and_the_parameters_of_a_wrong_expert_are_named(plugin_pytester):
 def test_generated_gradient_tests_pass(plugin_pytester, default_project: Path):
     tests = default_project / "tests" / "test_gradients.py"
     result = plugin_pytester.runpytest(str(tests), "-p", PLUGIN_MODULE, "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=12, skipped=4)
+    result.assert_outcomes(passed=18, skipped=7)
 
 
 def test_fixture_is_listed_with_its_usage(plugin_pytester):

@@ -18,6 +18,7 @@ from {{ cookiecutter.package }} import (
     conditional_model,
     forward_with_condition,
 )
+from {{ cookiecutter.package }}.models import CheckpointedNet, EarlyExitNet, TopKMixture
 
 # (model or function, input shape, forward_kwargs), one per kind of dynamic graph.
 CASES = {
@@ -27,6 +28,9 @@ CASES = {
     "recursion": (RecursiveNet, (4, 5, 8), {}),
     "branch on a tensor value": (lambda: forward_with_condition, (5,), {"threshold": 0.0}),
     "branch on an argument": (lambda: conditional_model, (3,), {"flag": False}),
+    "top-k routing": (TopKMixture, (16, 8), {}),
+    "early exit": (EarlyExitNet, (6, 8), {}),
+    "activation checkpointing": (CheckpointedNet, (4, 8), {}),
 }
 
 
@@ -60,6 +64,4 @@ def test_returns_the_reference_outputs_and_gradients(autograd_determinism):
 def test_example_models_are_bitwise_reproducible_on_gpu(autograd_determinism, gpu, case):
     make, shape, kwargs = CASES[case]
     model = make().to(gpu)
-    autograd_determinism(
-        model, torch.randn(*shape, device=gpu) * 4, forward_kwargs=kwargs, runs=3
-    )
+    autograd_determinism(model, torch.randn(*shape, device=gpu) * 4, forward_kwargs=kwargs, runs=3)
