@@ -1,8 +1,9 @@
 """Cost of the ``gradcheck`` fixture against ``torch.autograd.gradcheck`` on the same function.
 
 Targets: at most 1.10x a direct ``torch.autograd.gradcheck`` in slow and in fast mode,
-on an MLP and on models of many small ops with data-dependent routing (a top-2
-mixture of experts, multi-head attention with a padding mask), and fast-mode time
+on an MLP and on models of many small ops with data-dependent routing (the
+template's top-2 mixture of experts ``TopKMixture``, multi-head attention with a
+padding mask), and fast-mode time
 that grows like a few forward/backward passes, not with the parameter count.
 
 The direct call is what a test would write by hand, as PyTorch's own module tests
@@ -50,31 +51,6 @@ def mlp(parameters: int, inputs: int = 16):
     )
 
 
-def mixture(features: int, experts: int = 4):
-    """Top-2 mixture of experts: each row goes through the two experts its gate scores highest."""
-    import torch
-    from torch import nn
-
-    class TopTwoMixture(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.gate = nn.Linear(features, experts)
-            self.experts = nn.ModuleList(
-                nn.Sequential(nn.Linear(features, features), nn.Tanh()) for _ in range(experts)
-            )
-
-        def forward(self, x):
-            weights, chosen = self.gate(x).softmax(-1).topk(2, dim=-1)
-            out = torch.zeros_like(x)
-            for index, expert in enumerate(self.experts):
-                rows, slot = (chosen == index).nonzero(as_tuple=True)
-                if rows.numel():
-                    out = out.index_add(0, rows, weights[rows, slot, None] * expert(x[rows]))
-            return out
-
-    return TopTwoMixture()
-
-
 def masked_attention(features: int, heads: int = 2):
     """Self-attention over padded sequences: the padding mask hides each sequence's tail."""
     from torch import nn
@@ -95,6 +71,7 @@ def masked_attention(features: int, heads: int = 2):
 def cases(mode: str):
     """(name, model, inputs) of each model compared, sized for slow or fast mode."""
     import torch
+    from dynamic_model.models import TopKMixture
 
     slow = mode == "slow"
     features = 4 if slow else 32
@@ -102,7 +79,7 @@ def cases(mode: str):
     padding = torch.arange(5)[None, :] >= lengths[:, None]  # True: padded position
     return [
         ("MLP", mlp(500 if slow else 50_000), (torch.randn(4 if slow else 16, 16),)),
-        ("top-2 MoE", mixture(features), (torch.randn(6 if slow else 32, features),)),
+        ("top-2 MoE", TopKMixture(features, k=2), (torch.randn(6 if slow else 32, features),)),
         ("masked MHA", masked_attention(features), (torch.randn(3, 5, features), padding)),
     ]
 

@@ -74,11 +74,11 @@ def reject_unknown_keywords(check: str, unknown: Mapping[str, Any], options: Ite
     if not unknown:
         return
     names = ", ".join(repr(name) for name in unknown)
-    example = ", ".join(f"{name!r}: ..." for name in unknown)
+    example = "{" + ", ".join(f"{name!r}: ..." for name in unknown) + "}"
     raise TypeError(
         f"{check}() got unknown keyword argument(s) {names}: its options are "
         f"{', '.join(options)}; keyword arguments of the forward go in "
-        f"forward_kwargs={{{example}}}"
+        f"forward_kwargs={example}"
     )
 
 

@@ -2,26 +2,31 @@
 
 ``gradcheck(model, x)`` compares the gradients autograd computes with finite
 differences, for the inputs that require grad and every trainable parameter of the
-model. It works on float64 copies, so the model and tensors passed in keep their
-dtype, values, device and ``requires_grad``. The comparison itself is done by
-``torch.autograd.gradcheck`` (and ``gradgradcheck`` for second order); when it
-fails, this module finds the element that is wrong and says why:
+modules the callable reaches (:mod:`.calls`). It computes in float64 end to end
+(:mod:`.float64`): the modules hold float64 copies of their parameters and buffers
+while it runs and get their own tensors back afterwards, so the model and tensors
+passed in keep their dtype, values, device, ``requires_grad``, ``.grad`` and hooks.
+Parameter gradient hooks run on the copies: they are part of the checked gradient.
+Slow mode and second order use ``torch.autograd.gradcheck``/``gradgradcheck``;
+when a check fails, this module finds the element that is wrong and says why:
 
 - a wrong gradient: the tensor and element (``parameter fc2.weight[3, 1]``), the
-  output element, the numerical and analytical values;
+  output element, the numerical and analytical values, the other wrong tensors;
 - a branch boundary: the finite differences took another branch of a data-dependent
   decision (``if h.mean() > 0``) than the point itself, found by recording each
   evaluation's decisions with :mod:`.control_flow`;
 - a kink: the one-sided differences disagree (relu, abs, max, clamp evaluated exactly
-  where they switch).
+  where they switch); a jump when the outputs change as much over half the step.
 
 Cost. Slow mode compares every element: two forward passes per checked element, and
-one backward pass per output element. Fast mode compares, for each checked tensor,
-the derivative along one random direction, weighted by random output weights: two
-forward passes per checked tensor, whatever its size. With ``fast=None`` fast mode is
-used above ``FAST_MODE_ABOVE`` checked elements. After a failure in fast mode the
-offending tensor is rechecked element by element (located by bisection above
-``ELEMENTWISE_LIMIT`` elements), so the failure still names an element.
+one backward pass per output element. Fast mode (first order) takes one backward
+pass for the gradient of a random weighting of the outputs, and two forward passes
+per checked tensor for its derivative along a direction of random signs, whatever
+the tensor's size; a tensor whose derivatives disagree, or differ by more than a
+single wrong element of 1% of its largest gradient element would make them, is
+searched by bisection (above ``ELEMENTWISE_LIMIT`` elements) and rechecked element
+by element, so a failure still names an element. With ``fast=None`` fast mode is
+used above ``FAST_MODE_ABOVE`` checked elements.
 """
 
 from __future__ import annotations
@@ -876,7 +881,8 @@ class _Check:
             if difference > self.atol + self.rtol * abs(numerical):
                 failed.append(index)
             elif gradient is not None:
-                rounding = 64 * torch.finfo(torch.float64).eps * (abs(plus) + abs(minus)) / self.eps
+                # The rounding error of the central difference, a few units in the last place.
+                rounding = 2 * torch.finfo(torch.float64).eps * (abs(plus) + abs(minus)) / self.eps
                 largest = float(gradient.abs().max()) if gradient.numel() else 0.0
                 if difference > SCREENING_FRACTION * largest / math.sqrt(checked.numel) + rounding:
                     flagged.append(index)
@@ -1412,11 +1418,19 @@ class _Diagnosis:
 
     def _kink(self, kinks: list[_Finding]) -> NonDifferentiablePoint:
         jumps = [f for f in kinks if f.kind == "jump"]
-        if jumps:
-            return self._jump(jumps)
-        first = kinks[0]
+        first = (jumps or kinks)[0]
         left, right = first.one_sided
         element = first.checked.element(first.element)
+        lines = self._jump_lines(jumps, element) if jumps else self._kink_lines(kinks, element)
+        lines.append(self._footer())
+        found = dict(tensor=first.checked.name, index=first.checked.index(first.element))
+        if jumps:
+            return OutputJump("\n".join(lines), **found, left=left, right=right, change=first.jump)
+        return NonDifferentiablePoint("\n".join(lines), **found, left=left, right=right)
+
+    def _kink_lines(self, kinks: list[_Finding], element: str) -> list[str]:
+        first = kinks[0]
+        left, right = first.one_sided
         matches = (
             "the left-hand derivative"
             if abs(first.analytical - left) <= first.allowed
@@ -1424,7 +1438,7 @@ class _Diagnosis:
             if abs(first.analytical - right) <= first.allowed
             else "neither one-sided derivative"
         )
-        lines = [
+        return [
             f"cannot check the gradient of {self.problem.description} at {element}: the function "
             f"is not differentiable there (one-sided differences disagree: a kink, such as relu, "
             f"abs, max or clamp exactly where it switches)",
@@ -1433,41 +1447,22 @@ class _Diagnosis:
             f"{first.analytical:.6g} ({matches})",
             f"  {len(kinks)} examined elements are at a kink; this is not a wrong gradient",
             "  move the point: pass avoid_boundaries=True, or check at inputs away from the kink",
-            self._footer(),
         ]
-        return NonDifferentiablePoint(
-            "\n".join(lines),
-            tensor=first.checked.name,
-            index=first.checked.index(first.element),
-            left=left,
-            right=right,
-        )
 
-    def _jump(self, jumps: list[_Finding]) -> OutputJump:
+    def _jump_lines(self, jumps: list[_Finding], element: str) -> list[str]:
         first = jumps[0]
         left, right = first.one_sided
-        element = first.checked.element(first.element)
-        output = self._output_element(first.row)
-        lines = [
+        return [
             f"cannot check the gradient of {self.problem.description} at {element}: the outputs "
             f"jump there (a discontinuity, such as argmax or top-k routing at a tie, a "
             f"comparison, rounding or sorting: not a kink)",
-            f"  {output} changes by {first.jump:.6g} when {element} moves by eps ({self.eps:g}), "
-            f"and by about as much when it moves by eps/2: the change does not shrink with the "
-            f"step, so the one-sided differences ({left:.6g} from the left, {right:.6g} from the "
-            f"right) grow without bound as eps shrinks",
+            f"  {self._output_element(first.row)} changes by {first.jump:.6g} when {element} "
+            f"moves by eps ({self.eps:g}), and by about as much when it moves by eps/2: the "
+            f"change does not shrink with the step, so the one-sided differences ({left:.6g} "
+            f"from the left, {right:.6g} from the right) grow without bound as eps shrinks",
             f"  {len(jumps)} examined elements are at a jump; this is not a wrong gradient",
             "  move the point: pass avoid_boundaries=True, or check at inputs away from the tie",
-            self._footer(),
         ]
-        return OutputJump(
-            "\n".join(lines),
-            tensor=first.checked.name,
-            index=first.checked.index(first.element),
-            left=left,
-            right=right,
-            change=first.jump,
-        )
 
     def _detached(self) -> str:
         names = ", ".join(self.problem.output_names or [])
