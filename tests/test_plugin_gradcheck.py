@@ -676,6 +676,13 @@ def test_wrappers_of_modules(gradcheck):
                for w in checked["closure and default"].widened)
 
 
+def test_vmap_inside_forward(gradcheck):
+    layer = seeded(lambda: nn.Linear(3, 3))
+    result = gradcheck(lambda x: torch.func.vmap(lambda row: layer(row).sin())(x),
+                       torch.randn(2, 3))
+    assert [n for n, _ in result.tensors] == ["parameter layer.weight", "parameter layer.bias"]
+
+
 def test_non_reentrant_checkpoint(gradcheck):
     model = seeded(Recurrent)
     block = seeded(lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Dropout(0.2)))
@@ -776,7 +783,7 @@ EXPECTED_HABIT_FAILURES = {
 
 def test_float32_habits_wrappers_checkpoints_and_hooks(plugin_pytester):
     result = run_session(plugin_pytester, HABITS)
-    result.assert_outcomes(passed=7, failed=len(EXPECTED_HABIT_FAILURES))
+    result.assert_outcomes(passed=8, failed=len(EXPECTED_HABIT_FAILURES))
     assert_failures(result, EXPECTED_HABIT_FAILURES)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
+import types
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -155,10 +156,18 @@ def _held_by_callable(value: Any) -> Iterator[tuple[str, Any]]:
         positional = code.co_varnames[: code.co_argcount]
         yield from zip(positional[len(positional) - len(defaults) :], defaults, strict=True)
         yield from (value.__kwdefaults__ or {}).items()
-        for name in code.co_names:
+        for name in _global_names(code):
             item = value.__globals__.get(name)
             if _may_hold(item):
                 yield name, item
+
+
+def _global_names(code: types.CodeType) -> Iterator[str]:
+    """The names ``code`` and the functions defined in it (lambdas too) may read as globals."""
+    yield from code.co_names
+    for constant in code.co_consts:
+        if isinstance(constant, types.CodeType):
+            yield from _global_names(constant)
 
 
 def _may_hold(value: Any) -> bool:
