@@ -11,8 +11,8 @@ This module holds what they share about that call:
   pytree path into nested inputs (``x[0]['mask']``); ``forward_kwargs`` entries by key;
 - :func:`reached_modules`: the modules a callable reaches (a module, a bound method,
   a ``functools.partial``, closures, default arguments and globals of a function that
-  hold modules or containers of modules), so their parameters are checked as for a
-  module passed directly;
+  hold modules or containers of modules, attributes of an object with ``__call__``),
+  so their parameters are checked as for a module passed directly;
 - :func:`reject_data_less`: a ``ValueError`` for meta or fake tensors, which hold no
   values to check;
 - :func:`reentrant_checkpoint`: whether a graph holds a reentrant
@@ -50,8 +50,10 @@ REENTRANT_CHECKPOINT = (
     "torch.utils.checkpoint.checkpoint(..., use_reentrant=False), which torch recommends "
     "and which {check} supports"
 )
-# How deep reached_modules looks into closures, defaults, partials and containers.
+# How deep reached_modules looks into closures, defaults, partials and containers, and
+# the largest list, tuple or dict it looks into (a module is not kept among data).
 _REACH_DEPTH = 4
+_REACH_ITEMS = 256
 
 
 def forward_kwargs_of(check: str, forward_kwargs: Any) -> dict[str, Any]:
@@ -119,6 +121,8 @@ def _reach(value: Any, prefix: str, found: list, seen: set[int], depth: int) -> 
     if isinstance(value, nn.Module):
         found.append((prefix, value))
         return
+    if isinstance(value, (list, tuple, Mapping)) and len(value) > _REACH_ITEMS:
+        return
     if isinstance(value, Mapping):
         for key, item in value.items():
             _reach(item, f"{prefix}[{key!r}]", found, seen, depth - 1)
@@ -138,7 +142,7 @@ def _held_by_callable(value: Any) -> Iterator[tuple[str, Any]]:
         if isinstance(owner, nn.Module):
             yield "", owner
         elif not isinstance(owner, type):
-            yield from ((name, item) for name, item in vars(owner).items() if _may_hold(item))
+            yield from _held_by_object(owner)
         yield "", value.__func__
     elif isinstance(value, functools.partial):
         names = input_names(value.func, len(value.args))
@@ -160,6 +164,14 @@ def _held_by_callable(value: Any) -> Iterator[tuple[str, Any]]:
             item = value.__globals__.get(name)
             if _may_hold(item):
                 yield name, item
+    elif callable(value) and not isinstance(value, type):
+        yield from _held_by_object(value)  # an object with __call__ that keeps its model
+
+
+def _held_by_object(owner: Any) -> Iterator[tuple[str, Any]]:
+    """The attributes of an object that may hold modules."""
+    attributes = getattr(owner, "__dict__", None) or {}
+    return ((name, item) for name, item in attributes.items() if _may_hold(item))
 
 
 def _global_names(code: types.CodeType) -> Iterator[str]:
