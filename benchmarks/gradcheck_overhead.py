@@ -1,8 +1,10 @@
 """Cost of the ``gradcheck`` fixture against ``torch.autograd.gradcheck`` on the same function.
 
 Targets: at most 1.10x a direct ``torch.autograd.gradcheck`` in slow and in fast mode,
-and fast-mode time that grows like a few forward/backward passes, not with the
-parameter count.
+on an MLP and on models of many small ops with data-dependent routing (the
+template's top-2 mixture of experts ``TopKMixture``, multi-head attention with a
+padding mask), and fast-mode time
+that grows like a few forward/backward passes, not with the parameter count.
 
 The direct call is what a test would write by hand, as PyTorch's own module tests
 do: a float64 copy of the model, its parameters passed next to the input, and
@@ -49,19 +51,54 @@ def mlp(parameters: int, inputs: int = 16):
     )
 
 
-def direct_check(model, x, fast: bool) -> bool:
-    """``torch.autograd.gradcheck`` over the input and every parameter, written by hand."""
+def masked_attention(features: int, heads: int = 2):
+    """Self-attention over padded sequences: the padding mask hides each sequence's tail."""
+    from torch import nn
+
+    class MaskedAttention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attention = nn.MultiheadAttention(features, heads, batch_first=True)
+            self.head = nn.Linear(features, 4)
+
+        def forward(self, x, padding):
+            h, _ = self.attention(x, x, x, key_padding_mask=padding, need_weights=False)
+            return self.head(h)
+
+    return MaskedAttention()
+
+
+def cases(mode: str):
+    """(name, model, inputs) of each model compared, sized for slow or fast mode."""
+    import torch
+    from dynamic_model.models import TopKMixture
+
+    slow = mode == "slow"
+    features = 4 if slow else 32
+    lengths = torch.tensor([5, 3, 4])
+    padding = torch.arange(5)[None, :] >= lengths[:, None]  # True: padded position
+    return [
+        ("MLP", mlp(500 if slow else 50_000), (torch.randn(4 if slow else 16, 16),)),
+        ("top-2 MoE", TopKMixture(features, k=2), (torch.randn(6 if slow else 32, features),)),
+        ("masked MHA", masked_attention(features), (torch.randn(3, 5, features), padding)),
+    ]
+
+
+def direct_check(model, inputs, fast: bool) -> bool:
+    """``torch.autograd.gradcheck`` over the first input and every parameter, by hand."""
     import torch
 
     double = copy.deepcopy(model).double()
     names = [name for name, _ in double.named_parameters()]
     params = [p.detach().clone().requires_grad_() for p in double.parameters()]
-    inputs = (x.detach().double().requires_grad_(), *params)
+    x, *rest = inputs
+    checked = (x.detach().double().requires_grad_(), *params)
 
     def function(x, *params):
-        return torch.func.functional_call(double, dict(zip(names, params, strict=True)), (x,))
+        parameters = dict(zip(names, params, strict=True))
+        return torch.func.functional_call(double, parameters, (x, *rest))
 
-    return torch.autograd.gradcheck(function, inputs, fast_mode=fast)
+    return torch.autograd.gradcheck(function, checked, fast_mode=fast)
 
 
 def best(function, repeats: int) -> tuple[float, float]:
@@ -86,26 +123,29 @@ def interleaved(first, second, repeats: int):
 
 
 def compare_with_direct(gradcheck, repeats: int) -> bool:
-    import torch
 
     print(f"fixture vs direct torch.autograd.gradcheck (target <= {TARGET_RATIO:.2f}x)")
-    print(f"{'mode':<6}{'elements':>10}{'direct s':>11}{'fixture s':>11}{'wall x':>8}{'cpu x':>8}")
+    print(
+        f"{'mode':<6}{'model':<12}{'elements':>10}{'direct s':>11}{'fixture s':>11}"
+        f"{'wall x':>8}{'cpu x':>8}"
+    )
     ok = True
-    for mode, parameters, batch in (("slow", 500, 4), ("fast", 50_000, 16)):
+    for mode in ("slow", "fast"):
         fast = mode == "fast"
-        model = mlp(parameters)
-        x = torch.randn(batch, 16, requires_grad=True)
-        elements = x.numel() + sum(p.numel() for p in model.parameters())
-        direct, fixture = interleaved(
-            lambda: direct_check(model, x, fast),  # noqa: B023
-            lambda: gradcheck(model, x, fast=fast),  # noqa: B023
-            repeats,
-        )
-        wall, cpu = fixture[0] / direct[0], fixture[1] / direct[1]
-        ok = ok and cpu <= TARGET_RATIO
-        print(
-            f"{mode:<6}{elements:>10,}{direct[0]:>11.4f}{fixture[0]:>11.4f}{wall:>8.3f}{cpu:>8.3f}"
-        )
+        for name, model, (x, *rest) in cases(mode):
+            x.requires_grad_()
+            elements = x.numel() + sum(p.numel() for p in model.parameters())
+            direct, fixture = interleaved(
+                lambda: direct_check(model, (x, *rest), fast),  # noqa: B023
+                lambda: gradcheck(model, x, *rest, fast=fast),  # noqa: B023
+                repeats,
+            )
+            wall, cpu = fixture[0] / direct[0], fixture[1] / direct[1]
+            ok = ok and cpu <= TARGET_RATIO
+            print(
+                f"{mode:<6}{name:<12}{elements:>10,}{direct[0]:>11.4f}{fixture[0]:>11.4f}"
+                f"{wall:>8.3f}{cpu:>8.3f}"
+            )
     return ok
 
 
@@ -120,7 +160,7 @@ def fast_mode_growth(gradcheck, repeats: int) -> None:
         double = copy.deepcopy(model).double()
         x64 = x.detach().double().requires_grad_()
         _, one_pass = best(lambda: double(x64).sum().backward(), repeats)  # noqa: B023
-        _, direct = best(lambda: direct_check(model, x, fast=True), repeats)  # noqa: B023
+        _, direct = best(lambda: direct_check(model, (x,), fast=True), repeats)  # noqa: B023
         _, check = best(lambda: gradcheck(model, x, fast=True), repeats)  # noqa: B023
         count = sum(p.numel() for p in model.parameters())
         print(f"{count:>12,}{one_pass:>10.4f}{direct:>10.4f}{check:>11.4f}{check / one_pass:>8.1f}")

@@ -64,8 +64,10 @@ def test_recursion(autograd_determinism):
 def test_data_dependent_branches(autograd_determinism):
     autograd_determinism(PerSampleNet(), torch.randn(6, 8))
     autograd_determinism(MeanGatedNet(), torch.randn(6, 8))
-    result = autograd_determinism(forward_with_condition, torch.randn(5), threshold=0.0)
-    assert set(result.input_grads) == {{"input 0"}}  # no parameters: inputs are differentiated
+    result = autograd_determinism(
+        forward_with_condition, torch.randn(5), forward_kwargs={{"threshold": 0.0}}
+    )
+    assert set(result.input_grads) == {{"x"}}  # no parameters: inputs are differentiated
 
 
 def test_seeded_dropout(autograd_determinism):
@@ -95,7 +97,7 @@ def test_tuple_dict_and_nested_outputs(autograd_determinism):
             h = self.body(x) * scale
             return {{"logits": h, "parts": (h.sum(1), [h.mean(), h.argmax(1)]), "steps": 3}}
 
-    result = autograd_determinism(Heads(), torch.randn(3, 4), scale=2.0)
+    result = autograd_determinism(Heads(), torch.randn(3, 4), forward_kwargs={{"scale": 2.0}})
     assert set(result.outputs) == {{"logits", "parts", "steps"}}
     assert result.outputs["parts"][1][1].dtype == torch.int64
     assert not result.outputs["logits"].requires_grad
@@ -587,6 +589,168 @@ def test_not_callable(autograd_determinism):
 
 def test_bad_arguments_are_named(plugin_pytester: pytest.Pytester) -> None:
     run_session(plugin_pytester, BAD_ARGUMENTS).assert_outcomes(passed=4)
+
+
+CALLING_CONVENTION = """
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+def scaled(x, runs=1, scale=1.0):  # parameters named like the fixture's option
+    return torch.tanh(x) * runs * scale
+
+
+def test_forward_kwargs_reach_the_forward(autograd_determinism):
+    x = torch.randn(4, requires_grad=True)
+    result = autograd_determinism(scaled, x, forward_kwargs={"runs": 5}, runs=2)
+    assert result.runs == 2
+    torch.testing.assert_close(result.outputs, torch.tanh(x.detach()) * 5)
+    assert set(result.input_grads) == {"x"}
+
+
+def test_inputs_without_a_signature_name_and_nested_inputs(autograd_determinism):
+    x = torch.randn(3, requires_grad=True)
+    assert set(autograd_determinism(torch.sin, x).input_grads) == {"inputs[0]"}
+    pair = (torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True))
+    result = autograd_determinism(lambda xs, mask: xs[0] * xs[1] * mask, pair,
+                                  forward_kwargs={"mask": torch.ones(3, requires_grad=True)})
+    assert set(result.input_grads) == {"xs[0]", "xs[1]", "mask"}
+
+
+def test_modules_behind_a_lambda_and_a_method(autograd_determinism):
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+    x = torch.randn(2, 4)
+    result = autograd_determinism(lambda x: net(x), x)
+    assert set(result.parameter_grads) == {"net.0.weight", "net.0.bias"}
+    assert set(autograd_determinism(net.forward, x).parameter_grads) == {"0.weight", "0.bias"}
+
+
+def test_non_reentrant_checkpoint(autograd_determinism):
+    block = nn.Sequential(nn.Linear(4, 8), nn.GELU(), nn.Dropout(0.1), nn.Linear(8, 4))
+    result = autograd_determinism(lambda x: checkpoint(block, x, use_reentrant=False),
+                                  torch.randn(3, 4, requires_grad=True))
+    assert set(result.parameter_grads) == {"block.0.weight", "block.0.bias", "block.3.weight",
+                                           "block.3.bias"}
+
+
+def test_unknown_keyword(autograd_determinism):
+    autograd_determinism(scaled, torch.randn(3), scale=2.0)
+
+
+def test_forward_kwargs_not_a_mapping(autograd_determinism):
+    autograd_determinism(scaled, torch.randn(3), forward_kwargs=[("scale", 2.0)])
+
+
+def test_meta_model(autograd_determinism):
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(4, 4))
+    autograd_determinism(model, torch.randn(2, 4))
+
+
+def test_meta_input(autograd_determinism):
+    autograd_determinism(nn.Linear(4, 4), torch.empty(2, 4, device="meta"))
+
+
+def test_reentrant_checkpoint(autograd_determinism):
+    layer = nn.Linear(4, 4)
+    autograd_determinism(lambda x: checkpoint(layer, x, use_reentrant=True),
+                         torch.randn(2, 4, requires_grad=True))
+"""
+
+
+def test_calling_convention_and_data_less_tensors(plugin_pytester: pytest.Pytester) -> None:
+    result = run_session(plugin_pytester, CALLING_CONVENTION)
+    result.assert_outcomes(passed=4, failed=5)
+    text = failure_section(result, "test_unknown_keyword")
+    assert (
+        "TypeError: autograd_determinism() got unknown keyword argument(s) 'scale': its options "
+        "are runs, cross_process, cotangent_seed; keyword arguments of the forward go in "
+        "forward_kwargs={'scale': ...}" in text
+    )
+    text = failure_section(result, "test_forward_kwargs_not_a_mapping")
+    assert "TypeError: autograd_determinism: forward_kwargs must be a mapping" in text
+    text = failure_section(result, "test_meta_model")
+    assert "ValueError: autograd_determinism: parameter 0.weight is on the meta device" in text
+    assert "model.to_empty(device='cpu')" in text
+    text = failure_section(result, "test_meta_input")
+    assert "ValueError: autograd_determinism: input input is on the meta device" in text
+    text = failure_section(result, "test_reentrant_checkpoint")
+    assert "ValueError: torch.utils.checkpoint with use_reentrant=True" in text
+    assert "use_reentrant=False" in text
+
+
+THREADS_AND_RESEEDS = """
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+
+import torch
+from torch import nn
+
+layer = nn.Linear(4, 4)
+scales = [1e8, 1.0, -1e8, 3.0]
+
+
+def part(x, scale, wait):
+    time.sleep(wait)
+    return x * scale
+
+
+def pooled(x, in_completion_order):
+    h = layer(x)
+    waits = [b / 2550 for b in os.urandom(len(scales))] if in_completion_order else [0] * 4
+    with ThreadPoolExecutor(4) as pool:
+        futures = [pool.submit(part, h.detach(), s, w) for s, w in zip(scales, waits)]
+        done = as_completed(futures) if in_completion_order else futures
+        parts = [future.result() for future in done]
+    total = parts[0]
+    for other in parts[1:]:
+        total = total + other  # LINE-SUM
+    return h * total
+
+
+def test_thread_pool_in_submission_order(autograd_determinism):
+    autograd_determinism(pooled, torch.randn(2, 4), forward_kwargs={"in_completion_order": False})
+
+
+def test_thread_pool_race(autograd_determinism):
+    x = torch.randn(2, 4)
+    autograd_determinism(pooled, x, forward_kwargs={"in_completion_order": True}, runs=6)
+
+
+class Reseeding(nn.Module):
+    def __init__(self, seed=None):
+        super().__init__()
+        self.seed = seed
+        self.layer = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5))
+
+    def forward(self, x):
+        seed = self.seed if self.seed is not None else int.from_bytes(os.urandom(4), "little")
+        torch.manual_seed(seed)
+        return self.layer(x)
+
+
+def test_forward_reseeding_with_a_fixed_seed(autograd_determinism):
+    autograd_determinism(Reseeding(seed=7).train(), torch.randn(4, 4))
+
+
+def test_forward_reseeding_from_the_os(autograd_determinism):
+    autograd_determinism(Reseeding().train(), torch.randn(4, 4))
+"""
+
+
+def test_thread_pools_and_reseeds_are_named(plugin_pytester: pytest.Pytester) -> None:
+    result = run_session(plugin_pytester, THREADS_AND_RESEEDS)
+    result.assert_outcomes(passed=2, failed=2)
+    text = failure_section(result, "test_thread_pool_race")
+    assert "so that data came from ops on other threads, which the recorder does not see" in text
+    assert "other Python threads ran during the runs (ThreadPoolExecutor-" in text
+    assert "came from outside torch's ops" not in text
+    text = failure_section(result, "test_forward_reseeding_from_the_os")
+    assert "the forward reseeds torch's global RNG, with a different seed in each run" in text
+    assert "Seed with a fixed value, or not inside the forward" in text
 
 
 # --- plain helpers -------------------------------------------------------------------

@@ -12,7 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch._dynamo
 from conftest import DEFAULT_PACKAGE, PLUGIN_MODULE
+
+# torch.utils.checkpoint imports torch._dynamo on first use. Imported here first, it
+# stays in sys.modules across the in-process sessions, which otherwise drop it after
+# the first session and import it again, registering its operator libraries twice.
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -237,7 +242,8 @@ def test_dict_and_nested_outputs_and_kwargs(gradcheck):
         return {{"sum": (scale * x).sum(), "parts": [x.sin(), (x.cos(), "label", 3)]}}
 
     x = seeded(lambda: torch.randn(3), seed=1).requires_grad_()
-    gradcheck(heads, x, scale=torch.tensor(2.0, requires_grad=True), gradgrad=True)
+    gradcheck(heads, x, forward_kwargs={{"scale": torch.tensor(2.0, requires_grad=True)}},
+              gradgrad=True)
 
 
 def test_complex_inputs(gradcheck):
@@ -373,7 +379,7 @@ EXPECTED_FAILURES = {
     ],
     "test_backward_missing_a_term": [
         "E**WrongGradient: wrong first-order gradient of SquareMissingTerm.apply with respect"
-        " to input args[0][*",
+        " to input inputs[0][*",
         "*the analytical gradient is 0.5 times the numerical one",
     ],
     "test_backward_wrong_sign": ["*WrongGradient*", "*the analytical gradient has the wrong sign*"],
@@ -387,8 +393,8 @@ EXPECTED_FAILURES = {
     ],
     "test_wrong_second_order": [
         "E**WrongGradient: wrong second-order gradient of Cube.apply with respect to input "
-        "args[0][*",
-        "E*d (gradient of input args[0][*]) / d input args[0][*]: numerical *, analytical 0 *",
+        "inputs[0][*",
+        "E*d (gradient of input inputs[0][*]) / d input inputs[0][*]: numerical *, analytical 0 *",
         "E*second order: *",
     ],
     "test_fast_mode_names_the_element": [
@@ -430,9 +436,9 @@ EXPECTED_FAILURES = {
         " connects none of its floating-point outputs (output) to the checked tensors*",
     ],
     "test_kink": [
-        "E**NonDifferentiablePoint: cannot check the gradient of relu at input 0[1]: the "
-        "function is not differentiable there *",
-        "E*d output[1] / d input 0[1]: from the left 0, from the right 1, central 0.5; "
+        "E**NonDifferentiablePoint: cannot check the gradient of relu at input inputs[0][1]: "
+        "the function is not differentiable there *",
+        "E*d output[1] / d input inputs[0][1]: from the left 0, from the right 1, central 0.5; "
         "analytical 0 (the left-hand derivative)",
     ],
     "test_nothing_to_check": [
@@ -480,8 +486,8 @@ def test_correct_models_pass_and_report_their_mode(plugin_pytester):
             " <= FAST_MODE_ABOVE=2,048: every element), 7 tensor(s) (input x, parameter "
             "encoder.weight, *",
             "gradcheck Wide: first and second order passed in * s, fast mode (85,258 elements > "
-            "FAST_MODE_ABOVE=2,048: one random direction per tensor; fast=False checks every "
-            "element), 6 tensor(s) *",
+            "FAST_MODE_ABOVE=2,048: one random direction per tensor, screened for single wrong "
+            "elements; fast=False checks every element), 6 tensor(s) *",
             "gradcheck MeanGatedNet: first order passed in *, at a point moved * off a boundary",
         ],
         consecutive=False,
@@ -500,10 +506,370 @@ def test_wrong_gradients_and_misuse_fail_with_their_cause(plugin_pytester):
             report.no_fnmatch_line("*wrong*-order gradient*")
 
 
+CALLING_CONVENTION = """
+import functools
+
+import pytest
+import torch
+from torch import nn
+from helpers import *
+
+
+def normalized(x, eps=1e-5):  # a forward parameter named like the fixture's option
+    assert eps == 0.1  # the forward's eps, not the finite-difference step
+    return x / (x.norm() + eps)
+
+
+def test_forward_kwargs_reach_the_forward(gradcheck):
+    result = gradcheck(normalized, torch.randn(5, requires_grad=True),
+                       forward_kwargs={{"eps": 0.1}}, eps=1e-6)
+    assert [name for name, _ in result.tensors] == ["input x"]
+
+
+def test_modules_behind_wrappers_are_checked(gradcheck):
+    net = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    x = torch.randn(2, 3)
+    before = state_of(net)
+    names = {{
+        "lambda": [n for n, _ in gradcheck(lambda x: net(x), x).tensors],
+        "method": [n for n, _ in gradcheck(net.forward, x).tensors],
+        "partial": [n for n, _ in gradcheck(functools.partial(nn.Sequential.forward, net), x)
+                    .tensors],
+    }}
+    assert names["lambda"][0] == "parameter net.0.weight" and len(names["lambda"]) == 4
+    assert names["method"][0] == "parameter 0.weight"
+    assert len(names["partial"]) == 4
+    assert_same_state(before, state_of(net))
+
+
+def test_unknown_keyword(gradcheck):
+    gradcheck(normalized, torch.randn(5, requires_grad=True), eps=1e-6, scale=0.1)
+
+
+def test_meta_model(gradcheck):
+    with torch.device("meta"):
+        model = nn.Linear(4, 4)
+    gradcheck(model, torch.randn(2, 4))
+
+
+def test_fake_input(gradcheck):
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.randn(2, 4, requires_grad=True)
+    gradcheck(torch.sin, x)
+
+
+def test_wrong_parameter_gradient_behind_a_lambda(gradcheck):
+    model = seeded(lambda: Linear(WrongWeightGrad))
+    gradcheck(lambda x: model(x), torch.randn(3, 4))
+"""
+
+EXPECTED_CONVENTION_FAILURES = {
+    "test_unknown_keyword": [
+        "E*TypeError: gradcheck() got unknown keyword argument(s) 'scale': its options are "
+        "params, gradgrad, fast, eps, atol, rtol, avoid_boundaries; keyword arguments of the "
+        "forward go in forward_kwargs={'scale': ...}",
+    ],
+    "test_meta_model": [
+        "E*ValueError: gradcheck: parameter weight is on the meta device: it has a shape and a "
+        "dtype but no values*",
+    ],
+    "test_fake_input": [
+        "E*ValueError: gradcheck: input inputs[0] is a FakeTensor (device cpu): *",
+    ],
+    "test_wrong_parameter_gradient_behind_a_lambda": [
+        "E*WrongGradient: wrong first-order gradient of "
+        "test_wrong_parameter_gradient_behind_a_lambda.<lambda> with respect to parameter "
+        "model.weight[*",
+    ],
+}
+
+
+def assert_failures(result: pytest.RunResult, expected: dict[str, list[str]]) -> None:
+    reports = failure_reports(result)
+    assert reports.keys() == expected.keys()
+    for name, lines in expected.items():
+        report = pytest.LineMatcher(reports[name])
+        report.fnmatch_lines([line.replace("[", "[[]") for line in lines], consecutive=False)
+
+
+def test_calling_convention_and_wrapped_modules(plugin_pytester):
+    result = run_session(plugin_pytester, CALLING_CONVENTION)
+    result.assert_outcomes(passed=2, failed=len(EXPECTED_CONVENTION_FAILURES))
+    assert_failures(result, EXPECTED_CONVENTION_FAILURES)
+
+
+HABITS = """
+import functools
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+from helpers import *
+
+
+class Recurrent(nn.Module):
+    \"\"\"float32 habits: a state made with the default dtype, softmax in float32, casts.\"\"\"
+
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.GRUCell(3, 4)
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = torch.zeros(x.shape[0], 4)
+        for step in x.unbind(1):
+            h = self.cell(step, h)
+        logits = self.head(h)
+        probabilities = torch.softmax(logits.float(), dim=-1).to(torch.float32)  # LINE-CAST
+        position = torch.arange(4, dtype=torch.float) / 4
+        return probabilities.half().float() + position
+
+    def encode(self, x):
+        return self.head(torch.tanh(x))
+
+
+def test_float32_habits_inside_forward(gradcheck):
+    model = seeded(Recurrent)
+    x = seeded(lambda: torch.randn(2, 3, 3), seed=1)
+    before = state_of(model)
+    result = gradcheck(model, x.requires_grad_())
+    assert any(w.startswith("Tensor.float() at test_session.py:") for w in result.widened)
+    assert any("torch.arange(dtype=torch.float32)" in w for w in result.widened)
+    assert "computed in float64 where the forward asks for less" in str(result)
+    assert_same_state(before, state_of(model))
+
+
+def test_complex64_inside_forward(gradcheck):
+    layer = seeded(lambda: nn.Linear(3, 3))
+
+    def spectrum(x):
+        z = torch.zeros(3, dtype=torch.cfloat) + layer(x).to(torch.complex64)
+        return (z * z).real
+
+    result = gradcheck(spectrum, torch.randn(2, 3, requires_grad=True))
+    assert any("torch.complex64" in w for w in result.widened)
+
+
+def test_wrappers_of_modules(gradcheck):
+    model = seeded(Recurrent)
+    x = torch.randn(2, 4)
+    experts = [seeded(lambda: nn.Linear(4, 4), seed=s) for s in range(2)]
+    scale = torch.rand(4)  # a float32 constant in a closure
+
+    def mixture(x, gate=model.head):
+        return sum(e(x) for e in experts) * scale + gate(x)
+
+    checked = {{
+        "method": gradcheck(model.encode, x),
+        "partial": gradcheck(functools.partial(Recurrent.encode, model), x),
+        "closure and default": gradcheck(mixture, x),
+    }}
+    names = [n for n, _ in checked["closure and default"].tensors]
+    assert names == ["parameter experts[0].weight", "parameter experts[0].bias",
+                     "parameter experts[1].weight", "parameter experts[1].bias",
+                     "parameter gate.weight", "parameter gate.bias"]
+    assert "parameter head.weight" in [n for n, _ in checked["method"].tensors]
+    assert any("a torch.float32 tensor made outside the check" in w
+               for w in checked["closure and default"].widened)
+
+
+def test_vmap_inside_forward(gradcheck):
+    layer = seeded(lambda: nn.Linear(3, 3))
+    result = gradcheck(lambda x: torch.func.vmap(lambda row: layer(row).sin())(x),
+                       torch.randn(2, 3))
+    assert [n for n, _ in result.tensors] == ["parameter layer.weight", "parameter layer.bias"]
+
+
+def test_non_reentrant_checkpoint(gradcheck):
+    model = seeded(Recurrent)
+    block = seeded(lambda: nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Dropout(0.2)))
+
+    def forward(x):
+        h = checkpoint(lambda h: block(h).float() + torch.ones(4), model.head(x),
+                       use_reentrant=False)
+        return model.encode(h)
+
+    gradcheck(forward, torch.randn(3, 4, requires_grad=True))
+
+
+def test_weight_and_spectral_norm(gradcheck):
+    model = seeded(lambda: nn.Sequential(
+        nn.utils.parametrizations.weight_norm(nn.Linear(3, 4)),
+        nn.Tanh(),
+        nn.utils.parametrizations.spectral_norm(nn.Linear(4, 2)),
+    ))
+    before = state_of(model)
+    gradcheck(model, torch.randn(2, 3))
+    assert_same_state(before, state_of(model))
+
+
+def test_hooks_that_keep_the_gradient(gradcheck):
+    model = seeded(lambda: nn.Linear(4, 3))
+    model.weight.register_hook(lambda g: g.clone())
+    model.register_full_backward_hook(lambda module, grad_input, grad_output: None)
+    gradcheck(model, torch.randn(2, 4, requires_grad=True))
+    assert len(model.weight._backward_hooks) == 1 and model.weight.grad is None
+
+
+def test_state_restored_after_a_failure_behind_a_lambda(gradcheck):
+    model = seeded(lambda: Linear(WrongWeightGrad))
+    model.weight.register_hook(lambda g: g)
+    before, hooks = state_of(model), dict(model.weight._backward_hooks)
+    with pytest.raises(WrongGradient):
+        gradcheck(lambda x: model(x), torch.randn(3, 4))
+    assert_same_state(before, state_of(model))
+    assert dict(model.weight._backward_hooks) == hooks
+
+
+def test_hook_scaling_a_parameter_gradient(gradcheck):
+    layer = seeded(lambda: nn.Linear(4, 3))
+    layer.weight.register_hook(lambda g: g * 0.5)  # LINE-HOOK
+    gradcheck(layer, torch.randn(2, 4))
+
+
+def test_post_accumulate_hook_scaling_the_gradient(gradcheck):
+    layer = seeded(lambda: nn.Linear(4, 3))
+    layer.bias.register_post_accumulate_grad_hook(lambda p: p.grad.mul_(2))
+    gradcheck(layer, torch.randn(2, 4))
+
+
+def test_module_backward_hook_scaling_the_input_gradient(gradcheck):
+    layer = seeded(lambda: nn.Linear(4, 3))
+    layer.register_full_backward_hook(lambda module, grad_input, grad_output: (grad_input[0] * 3,))
+    gradcheck(layer, torch.randn(2, 4, requires_grad=True), params=False)
+
+
+def test_reentrant_checkpoint(gradcheck):
+    layer = seeded(lambda: nn.Linear(4, 4))
+    gradcheck(lambda x: checkpoint(layer, x, use_reentrant=True),
+              torch.randn(2, 4, requires_grad=True))
+
+
+def test_bits_of_a_float_tensor(gradcheck):
+    gradcheck(lambda x: x.view(torch.int32).float() * x, torch.randn(4, requires_grad=True))
+"""
+
+EXPECTED_HABIT_FAILURES = {
+    "test_hook_scaling_a_parameter_gradient": [
+        "E*WrongGradient: wrong first-order gradient of Linear with respect to parameter weight[*",
+        "E*in all of them the analytical gradient is 0.5 times the numerical one",
+        "E*parameter weight has gradient hook(s) test_hook_scaling_a_parameter_gradient.<lambda> "
+        "(test_session.py:*): the gradient training sees goes through them*",
+    ],
+    "test_post_accumulate_hook_scaling_the_gradient": [
+        "E*WrongGradient: wrong first-order gradient of Linear with respect to parameter bias[*",
+        "E*in all of them the analytical gradient is 2 times the numerical one",
+        "E*parameter bias has gradient hook(s) * (post-accumulate)*",
+    ],
+    "test_module_backward_hook_scaling_the_input_gradient": [
+        "E*WrongGradient: wrong first-order gradient of Linear with respect to input input[*",
+        "E*in all of them the analytical gradient is 3 times the numerical one",
+        "E*module backward hooks are part of the checked gradient too: the model: *",
+    ],
+    "test_reentrant_checkpoint": [
+        "E*ValueError: torch.utils.checkpoint with use_reentrant=True: torch's reentrant "
+        "checkpoint supports only loss.backward() without inputs=, not torch.autograd.grad*"
+        "use torch.utils.checkpoint.checkpoint(..., use_reentrant=False)*",
+    ],
+    "test_bits_of_a_float_tensor": [
+        "E*CannotStayFloat64: the forward reinterprets the bits of a floating-point tensor with "
+        "Tensor.view(torch.int32) at test_session.py:*",
+    ],
+}
+
+
+def test_float32_habits_wrappers_checkpoints_and_hooks(plugin_pytester):
+    result = run_session(plugin_pytester, HABITS)
+    result.assert_outcomes(passed=8, failed=len(EXPECTED_HABIT_FAILURES))
+    assert_failures(result, EXPECTED_HABIT_FAILURES)
+
+
+MESSAGES = """
+import pytest
+import torch
+from torch import nn
+from helpers import *
+
+
+class TopOneMixture(nn.Module):
+    \"\"\"Each row goes to the expert with the highest gate score (top-1 routing).\"\"\"
+
+    def __init__(self, experts=3, features=4):
+        super().__init__()
+        self.gate = nn.Linear(features, experts)
+        self.experts = nn.ModuleList(nn.Linear(features, features) for _ in range(experts))
+
+    def forward(self, x):
+        scores = self.gate(x)
+        weight, index = scores.softmax(-1).max(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows = (index == e).nonzero().squeeze(1)
+            if rows.numel():
+                out = out.index_add(0, rows, weight[rows, None] * expert(x[rows]))
+        return out
+
+
+def mixture():
+    model = seeded(TopOneMixture)
+    x = seeded(lambda: torch.randn(8, 4), seed=1)
+    return model, x
+
+
+def test_mixture_of_experts_passes(gradcheck):
+    model, x = mixture()
+    gradcheck(model, x.requires_grad_())
+
+
+def test_routing_tie_is_a_jump(gradcheck):
+    model, x = mixture()
+    with torch.no_grad():  # experts 0 and 1 get the same gate score: every row is a tie
+        model.gate.weight[1] = model.gate.weight[0]
+        model.gate.bias[1] = model.gate.bias[0]
+    gradcheck(model, x.requires_grad_())
+
+
+class BothGradientsWrong(LinearFunction):
+    @classmethod
+    def grads(cls, g, x, w):
+        return 1.05 * (g @ w), 0.9 * (g.t() @ x)
+
+
+def test_bug_in_one_expert(gradcheck):
+    model, x = mixture()
+    model.experts[2] = seeded(lambda: Linear(BothGradientsWrong))
+    gradcheck(model, x.requires_grad_())
+"""
+
+EXPECTED_MESSAGES = {
+    "test_routing_tie_is_a_jump": [
+        "E*OutputJump: cannot check the gradient of TopOneMixture at *: the outputs jump there "
+        "(a discontinuity, such as argmax or top-k routing at a tie, *",
+        "E*output[*] changes by * when * moves by eps (1e-06), and by about as much when it "
+        "moves by eps/2*",
+        "E*this is not a wrong gradient",
+    ],
+    "test_bug_in_one_expert": [
+        "E*WrongGradient: wrong first-order gradient of TopOneMixture with respect to input x[*",
+        "E*also wrong: parameter experts.2.weight (16 of 16 elements)",
+    ],
+}
+
+
+def test_jumps_and_the_parameters_of_a_wrong_expert_are_named(plugin_pytester):
+    result = run_session(plugin_pytester, MESSAGES)
+    result.assert_outcomes(passed=1, failed=len(EXPECTED_MESSAGES))
+    assert_failures(result, EXPECTED_MESSAGES)
+    assert "kink" not in failure_reports(result)["test_routing_tie_is_a_jump"][0]
+
+
 def test_generated_gradient_tests_pass(plugin_pytester, default_project: Path):
     tests = default_project / "tests" / "test_gradients.py"
     result = plugin_pytester.runpytest(str(tests), "-p", PLUGIN_MODULE, "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=12, skipped=4)
+    result.assert_outcomes(passed=18, skipped=7)
 
 
 def test_fixture_is_listed_with_its_usage(plugin_pytester):

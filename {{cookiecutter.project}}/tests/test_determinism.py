@@ -18,8 +18,9 @@ from {{ cookiecutter.package }} import (
     conditional_model,
     forward_with_condition,
 )
+from {{ cookiecutter.package }}.models import CheckpointedNet, EarlyExitNet, TopKMixture
 
-# (model or function, input shape, keyword arguments), one per kind of dynamic graph.
+# (model or function, input shape, forward_kwargs), one per kind of dynamic graph.
 CASES = {
     "loop length decided by the data": (lambda: DynamicNet(tolerance=0.3), (8, 16), {}),
     "branch per call": (MeanGatedNet, (6, 8), {}),
@@ -27,13 +28,16 @@ CASES = {
     "recursion": (RecursiveNet, (4, 5, 8), {}),
     "branch on a tensor value": (lambda: forward_with_condition, (5,), {"threshold": 0.0}),
     "branch on an argument": (lambda: conditional_model, (3,), {"flag": False}),
+    "top-k routing": (TopKMixture, (16, 8), {}),
+    "early exit": (EarlyExitNet, (6, 8), {}),
+    "activation checkpointing": (CheckpointedNet, (4, 8), {}),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_example_models_are_bitwise_reproducible(autograd_determinism, case):
     make, shape, kwargs = CASES[case]
-    autograd_determinism(make(), torch.randn(*shape) * 4, runs=3, **kwargs)
+    autograd_determinism(make(), torch.randn(*shape) * 4, forward_kwargs=kwargs, runs=3)
 
 
 def test_dropout_and_batch_norm_in_training_mode(autograd_determinism):
@@ -52,7 +56,7 @@ def test_returns_the_reference_outputs_and_gradients(autograd_determinism):
     x = torch.randn(4, 8, requires_grad=True)
     result = autograd_determinism(model, x)
     torch.testing.assert_close(result.outputs, model(x), rtol=0, atol=0)
-    assert result.input_grads["input 0"].shape == x.shape
+    assert result.input_grads["x"].shape == x.shape
     assert x.grad is None  # the check differentiates copies of the inputs
 
 
@@ -60,4 +64,4 @@ def test_returns_the_reference_outputs_and_gradients(autograd_determinism):
 def test_example_models_are_bitwise_reproducible_on_gpu(autograd_determinism, gpu, case):
     make, shape, kwargs = CASES[case]
     model = make().to(gpu)
-    autograd_determinism(model, torch.randn(*shape, device=gpu) * 4, runs=3, **kwargs)
+    autograd_determinism(model, torch.randn(*shape, device=gpu) * 4, forward_kwargs=kwargs, runs=3)

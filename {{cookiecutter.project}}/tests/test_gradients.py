@@ -18,6 +18,8 @@ from {{ cookiecutter.package }} import (
     conditional_model,
     forward_with_condition,
 )
+from {{ cookiecutter.package }}.models import CheckpointedNet, EarlyExitNet, TopKMixture
+from {{ cookiecutter.package }}.testing.gradcheck import WrongGradient
 
 
 def seeded(factory, seed=0):
@@ -52,6 +54,9 @@ MODELS = {
     "per-sample": (lambda: PerSampleNet(8), (4, 8)),
     "dynamic-loop": (lambda: DynamicNet(in_features=8, hidden=16, out_features=4), (4, 8)),
     "recursive": (lambda: RecursiveNet(4), (2, 5, 4)),
+    "top-k mixture of experts": (lambda: TopKMixture(8, experts=4, k=2), (6, 8)),
+    "early exit": (lambda: EarlyExitNet(8, confidence=0.5), (5, 8)),
+    "checkpointed block": (lambda: CheckpointedNet(8), (4, 8)),
 }
 
 
@@ -61,6 +66,48 @@ def test_model_gradients(gradcheck, name):
     model = seeded(factory)
     x = seeded(lambda: torch.randn(shape), seed=1).requires_grad_()
     gradcheck(model, x)
+
+
+def test_wrappers_of_models_check_their_parameters(gradcheck):
+    model = seeded(lambda: EarlyExitNet(8, confidence=0.5))
+    x = seeded(lambda: torch.randn(5, 8), seed=1)
+    result = gradcheck(lambda x: model(x).softmax(-1), x)
+    assert "parameter model.blocks.0.0.weight" in [name for name, _ in result.tensors]
+    assert any(w.startswith("Tensor.float()") for w in result.widened)  # float32 made wide
+
+
+def test_gradient_hook_that_scales_is_found(gradcheck):
+    model = seeded(lambda: MeanGatedNet(8, 8))
+    model.linear.weight.register_hook(lambda grad: grad * 0.5)  # what training would see
+    x = seeded(lambda: torch.randn(4, 8), seed=1)
+    with pytest.raises(WrongGradient, match="gradient hook") as failure:
+        gradcheck(model, x)
+    assert failure.value.tensor == "parameter linear.weight"
+
+
+class OneWrongElement(torch.autograd.Function):
+    """``x @ weight.T`` whose backward gets one element of the weight's gradient wrong."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_weight = grad.t() @ x
+        grad_weight[10, 20] += 1.4
+        return grad @ weight, grad_weight
+
+
+def test_one_wrong_element_in_a_large_weight_is_found_in_fast_mode(gradcheck):
+    layer = seeded(lambda: nn.Linear(64, 64, bias=False))
+    x = seeded(lambda: torch.randn(4, 64), seed=1)
+    with pytest.raises(WrongGradient) as failure:
+        gradcheck(lambda x: OneWrongElement.apply(x, layer.weight), x)  # 4,096: fast mode
+    assert (failure.value.tensor, failure.value.index) == ("parameter layer.weight", (10, 20))
+    assert "fast mode" in str(failure.value)
 
 
 def test_second_order_through_recursion(gradcheck):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 
 def conditional_model(x: torch.Tensor, flag: bool) -> torch.Tensor:
@@ -134,3 +135,82 @@ class RecursiveNet(nn.Module):
         left = self._reduce(x[:, :middle])
         right = self._reduce(x[:, middle:])
         return torch.tanh(self.merge(torch.cat([left, right], dim=-1)))
+
+
+class TopKMixture(nn.Module):
+    """A mixture of experts: each row goes through the ``k`` experts its gate scores highest.
+
+    Dynamic because the routing is decided by the data: which experts run, and on
+    how many rows each, changes from batch to batch (an expert no row picks does not
+    run at all). The chosen experts' outputs are mixed with the gate's softmax
+    weights, so the gate is trained through the mixture; the choice itself (top-k) is
+    piecewise constant, with jumps where two gate scores tie.
+    """
+
+    def __init__(self, features: int = 8, experts: int = 4, k: int = 2) -> None:
+        super().__init__()
+        self.gate = nn.Linear(features, experts)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(features, features), nn.Tanh()) for _ in range(experts)
+        )
+        self.k = k
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.gate(x).softmax(dim=-1).topk(self.k, dim=-1)
+        out = torch.zeros_like(x)
+        for index, expert in enumerate(self.experts):
+            rows, slot = (chosen == index).nonzero(as_tuple=True)
+            if rows.numel():
+                out = out.index_add(0, rows, weights[rows, slot, None] * expert(x[rows]))
+        return out
+
+
+class EarlyExitNet(nn.Module):
+    """Blocks with a classifier after each; stops at the first one confident on every row.
+
+    Dynamic because the depth is decided by the data: a batch the first classifier is
+    sure of stops there, a hard one goes through every block. The confidence is the
+    largest softmax probability, computed in float32 as mixed-precision code does
+    (``logits.float()``); the check widens it to float64 like everything else.
+    """
+
+    def __init__(
+        self, features: int = 8, classes: int = 3, blocks: int = 3, confidence: float = 0.9
+    ) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(features, features), nn.Tanh()) for _ in range(blocks)
+        )
+        self.exits = nn.ModuleList(nn.Linear(features, classes) for _ in range(blocks))
+        self.confidence = confidence
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for block, exit_head in zip(self.blocks, self.exits, strict=True):
+            h = block(h)
+            logits = exit_head(h)
+            probabilities = torch.softmax(logits.float(), dim=-1)
+            if probabilities.max(dim=-1).values.min() > self.confidence:
+                break
+        return logits
+
+
+class CheckpointedNet(nn.Module):
+    """A residual block repeated ``steps`` times under activation checkpointing.
+
+    The block's activations are not kept for backward but recomputed
+    (``torch.utils.checkpoint`` with ``use_reentrant=False``, which works with
+    ``torch.autograd.grad`` and with data-dependent code inside the block): memory
+    for compute, as in long sequence models.
+    """
+
+    def __init__(self, features: int = 8, steps: int = 3) -> None:
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(features, features), nn.Tanh())
+        self.steps = steps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for _ in range(self.steps):
+            h = h + checkpoint(self.block, h, use_reentrant=False)
+        return h

@@ -164,13 +164,13 @@ def user_location(frame: FrameType | None) -> str | None:
             if frame.f_code.co_name not in _MODE_HANDLERS:
                 return None
         elif not filename.startswith(_TORCH_DIR):
-            return f"{_display_path(filename)}:{frame.f_lineno}"
+            return f"{display_path(filename)}:{frame.f_lineno}"
         frame = frame.f_back
     return None
 
 
 @functools.cache
-def _display_path(filename: str) -> str:
+def display_path(filename: str) -> str:
     try:
         relative = os.path.relpath(filename)
     except ValueError:  # another drive on Windows

@@ -24,6 +24,7 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import threading
 import warnings
 import zlib
 from collections.abc import Callable, Iterator, Mapping
@@ -37,7 +38,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..gpus import version_tuple
-from . import control_flow, global_state
+from . import calls, control_flow, global_state
 
 DEFAULT_SEED = 0
 
@@ -322,26 +323,21 @@ class _RunResult:
     values: dict[str, Any]
 
 
-def _module_of(target: Callable[..., Any]) -> nn.Module | None:
-    if isinstance(target, nn.Module):
-        return target
-    owner = getattr(target, "__self__", None)
-    return owner if isinstance(owner, nn.Module) else None
-
-
 class _Subject:
     """The model or function under test, with the state every run starts from."""
 
     def __init__(self, target: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> None:
+        __tracebackhide__ = True
         self.target = target
         self.args = args
         self.kwargs = kwargs
-        module = _module_of(target)
-        self.parameters = (
-            [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-            if module
-            else []
-        )
+        self.roots = calls.reached_modules(target)
+        self.input_names = calls.input_names(target, len(args))
+        modules = [
+            (f"{prefix}.{name}" if prefix and name else prefix or name, module)
+            for prefix, root in self.roots
+            for name, module in root.named_modules(remove_duplicate=False)
+        ]
         # Buffers and frozen parameters are copied: forwards update them (running
         # statistics, momentum encoders), not always with a bump of the version counter,
         # so they are compared by value. Trainable parameters are not copied, which
@@ -349,8 +345,9 @@ class _Subject:
         # changes to them, and the ones made anyway (under no_grad) bump the counter.
         self._parameter_state: list[_Slot] = []
         self._buffer_state: list[_Slot] = []
+        self.parameters: list[tuple[str, torch.Tensor]] = []
         copies: dict[int, torch.Tensor | None] = {}
-        for prefix, submodule in module.named_modules(remove_duplicate=False) if module else ():
+        for prefix, submodule in modules:
             for slots, tensors in (
                 (self._parameter_state, submodule._parameters),
                 (self._buffer_state, submodule._buffers),
@@ -358,11 +355,26 @@ class _Subject:
                 for key, tensor in tensors.items():
                     if tensor is None:
                         continue
+                    name = f"{prefix}.{key}" if prefix else key
                     if id(tensor) not in copies:
                         trainable = isinstance(tensor, nn.Parameter) and tensor.requires_grad
                         copies[id(tensor)] = None if trainable else tensor.detach().clone()
-                    name = f"{prefix}.{key}" if prefix else key
+                        if trainable:
+                            self.parameters.append((name, tensor))
                     slots.append(_Slot(tensors, key, name, tensor, copies[id(tensor)]))
+        calls.reject_data_less(
+            "autograd_determinism",
+            [
+                *(
+                    (n, t)
+                    for n, t in self._named_inputs(args, kwargs)
+                    if isinstance(t, torch.Tensor)
+                ),
+                *((f"parameter {slot.name}", slot.tensor) for slot in self._parameter_state),
+                *((f"buffer {slot.name}", slot.tensor) for slot in self._buffer_state),
+            ],
+        )
+        self.graph_checked = False
         self._versions = [slot.tensor._version for slot in self._parameter_state]
         self._rng = global_state.snapshot()
         self._ran = False  # whether a run may have changed the state since the last reset
@@ -416,14 +428,18 @@ class _Subject:
 
         args = _map_tensors(self.args, copy)
         kwargs = _map_tensors(self.kwargs, copy)
-        named = [*enumerate(args), *kwargs.items()]
         seen: set[int] = set()
-        for key, value in named:
-            for name, leaf in _named_leaves(value, f"input {key}"):
-                if isinstance(leaf, torch.Tensor) and leaf.requires_grad and id(leaf) not in seen:
-                    seen.add(id(leaf))
-                    differentiated.append((name, leaf))
+        for name, leaf in self._named_inputs(args, kwargs):
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad and id(leaf) not in seen:
+                seen.add(id(leaf))
+                differentiated.append((name, leaf))
         return args, kwargs, differentiated
+
+    def _named_inputs(self, args: tuple, kwargs: dict[str, Any]) -> Iterator[tuple[str, Any]]:
+        """``("input x[0]", leaf)`` for each leaf of the inputs, named as :mod:`.calls` says."""
+        named = [*zip(self.input_names, args, strict=True), *kwargs.items()]
+        for key, value in named:
+            yield from _named_leaves(value, f"input {key}")
 
     def changed_buffers(self) -> dict[str, Any]:
         """Copies of the buffers the run changed (in place or by assignment)."""
@@ -485,6 +501,12 @@ def _run_once(
         with recording or contextlib.nullcontext():
             outputs = subject.target(*args, **kwargs)
             leaves = list(_named_leaves(outputs, "output"))
+            if not subject.graph_checked:
+                subject.graph_checked = True
+                if calls.reentrant_checkpoint(t for _, t in leaves):
+                    raise ValueError(
+                        calls.REENTRANT_CHECKPOINT.format(check="autograd_determinism")
+                    )
             wrt = [*subject.parameters, *differentiated_inputs]
             grads = _gradients(leaves, wrt, cotangents)
     except RuntimeError as error:
@@ -566,9 +588,11 @@ class _OpRecord:
 class _ModuleStack:
     """Which module's forward is running, by its name in the model, while active."""
 
-    def __init__(self, root: nn.Module | None) -> None:
-        named = root.named_modules(remove_duplicate=False) if root is not None else ()
-        self._names = {id(module): name for name, module in named}
+    def __init__(self, roots: list[tuple[str, nn.Module]]) -> None:
+        self._names: dict[int, str] = {}
+        for prefix, root in reversed(roots):  # the outermost name wins
+            for name, module in root.named_modules(remove_duplicate=False):
+                self._names[id(module)] = f"{prefix}.{name}" if prefix and name else prefix or name
         self._stack: list[str] = []
         self._handles: list[Any] = []
 
@@ -678,30 +702,51 @@ class _OpRecorder(TorchDispatchMode):
 class _RecordedRun:
     decisions: control_flow.DecisionLog
     recorder: _OpRecorder
+    # Python threads other than this one that were alive or started during the run:
+    # the recorders see only this thread's ops.
+    threads: tuple[str, ...]
+    # torch.initial_seed() after the run: it changes only when the run reseeds.
+    seed_after: int
 
 
 def _recorded_run(subject: _Subject, cotangents: _Cotangents) -> _RecordedRun:
-    modules = _ModuleStack(_module_of(subject.target))
+    modules = _ModuleStack(subject.roots)
     recorder = _OpRecorder(modules)
     logs: list[control_flow.DecisionLog] = []
+    current = threading.current_thread()
+    # Pool threads started before the run still run its work; others (pytest's, xdist's) do not.
+    threads = {
+        t.name
+        for t in threading.enumerate()
+        if t is not current and t.name.startswith("ThreadPoolExecutor")
+    }
+
+    def started(frame: FrameType, event: str, argument: Any) -> None:
+        threads.add(threading.current_thread().name)  # called once as each new thread starts
 
     @contextlib.contextmanager
     def recording() -> Iterator[None]:
-        with (
-            modules,
-            control_flow.record_decisions() as decisions,
-            _GraphTagger(modules),
-            recorder,
-        ):
-            logs.append(decisions)
-            yield
+        threading.settrace(started)
+        try:
+            with (
+                modules,
+                control_flow.record_decisions() as decisions,
+                _GraphTagger(modules),
+                recorder,
+            ):
+                logs.append(decisions)
+                yield
+        finally:
+            threading.settrace(None)  # type: ignore[arg-type]
 
     with contextlib.suppress(_NondeterministicOpRaised):  # recorded as failed_site
         _run_once(subject, cotangents, recording())
-    return _RecordedRun(logs[0], recorder)
+    return _RecordedRun(logs[0], recorder, tuple(sorted(threads)), torch.initial_seed())
 
 
-def _first_op_difference(a: list[_OpRecord], b: list[_OpRecord]) -> str | None:
+def _first_op_difference(
+    a: list[_OpRecord], b: list[_OpRecord], other_threads: bool = False
+) -> str | None:
     for index, (x, y) in enumerate(zip(a, b, strict=False)):
         number = index + 1
         if x.op != y.op:
@@ -715,11 +760,16 @@ def _first_op_difference(a: list[_OpRecord], b: list[_OpRecord]) -> str | None:
             argument = next(
                 i for i, (p, q) in enumerate(zip(x.inputs, y.inputs, strict=False)) if p != q
             )
+            source = (
+                "ops on other threads, which the recorder does not see"
+                if other_threads
+                else "outside torch's ops (NumPy, Python's random, the clock, the OS, a tensor "
+                "built from Python values)"
+            )
             return (
                 f"first differing op: #{number} {x.op} ({x.site}): its argument {argument} "
                 "differs although every earlier op computed identical values, so that data "
-                "came from outside torch's ops (NumPy, Python's random, the clock, the OS, "
-                "a tensor built from Python values)"
+                f"came from {source}"
             )
         if x.outputs != y.outputs:
             cause = "so this op itself is not deterministic"
@@ -754,25 +804,48 @@ def _localize(subject: _Subject, cotangents: _Cotangents, attempts: int) -> list
     """
     reference = _recorded_run(subject, cotangents)
     found: list[str] = []
+    threads: set[str] = set(reference.threads)
     for attempt in range(2, attempts + 2):
         other = _recorded_run(subject, cotangents)
+        threads.update(other.threads)
         divergence = control_flow.first_divergence(reference.decisions, other.decisions)
-        op_difference = _first_op_difference(reference.recorder.ops, other.recorder.ops)
+        op_difference = _first_op_difference(
+            reference.recorder.ops, other.recorder.ops, bool(threads)
+        )
         if divergence or (op_difference and not found):
             found = [
                 "Localized by rerunning under an op recorder until two reruns differed "
                 f"(run 1 and run 2 below; {attempt} reruns):"
             ]
+            if reference.seed_after != other.seed_after:
+                found.append(
+                    "the forward reseeds torch's global RNG, with a different seed in each run "
+                    f"(torch.initial_seed() after the forward: {reference.seed_after} in run 1, "
+                    f"{other.seed_after} in run 2): a seed from os.urandom, the clock or "
+                    "torch.seed(). The check resets every generator before each run; the "
+                    "reseed undoes that, so each random op after it (dropout, randn) draws "
+                    "other numbers. Seed with a fixed value, or not inside the forward"
+                )
             if divergence:
                 found.append(control_flow.describe_divergence(divergence, run=2))
             if op_difference:
                 found.append(op_difference)
         if divergence or (found and not reference.decisions):
             break
-    return found or [
-        f"Not localized: {attempts + 1} reruns under the op recorder agreed with each other "
-        "(the nondeterminism depends on timing, or the recorder changed it)"
-    ]
+    if not found:
+        found = [
+            f"Not localized: {attempts + 1} reruns under the op recorder agreed with each other "
+            "(the nondeterminism depends on timing, or the recorder changed it)"
+        ]
+    if threads:
+        found.append(
+            f"other Python threads ran during the runs ({', '.join(sorted(threads))}): the op "
+            "recorder sees only the ops of the thread that called the model, so ops on those "
+            "threads are missing from the record; ops racing on other threads (a thread pool "
+            "writing into a shared tensor, or building parts of the graph, whose backward "
+            "then adds up in another order) are the likely cause"
+        )
+    return found
 
 
 # --- the check ------------------------------------------------------------------------
@@ -785,7 +858,9 @@ class DeterminismResult:
     ``outputs`` has the structure the model returned, tensors detached.
     ``parameter_grads`` maps parameter names to gradients (``None`` where the
     backward pass did not reach the parameter); ``input_grads`` maps input names
-    (``"input 0"``, ``"input mask"``, ``"input 0[1]"``) the same way.
+    the same way: the forward's parameter name (``"x"``, ``"x[1]"`` inside a tuple),
+    ``"inputs[i]"`` where the signature has none, the key of a ``forward_kwargs``
+    entry (``"mask"``); messages call them ``input x``.
     ``buffers`` holds the buffers the forward changed, after the run.
     """
 
@@ -811,7 +886,9 @@ def _result(subject: _Subject, run: _RunResult, runs: int) -> DeterminismResult:
     return DeterminismResult(
         outputs=run.outputs,
         parameter_grads={k: v for k, v in grads.items() if k in parameter_names},
-        input_grads={k: v for k, v in grads.items() if k not in parameter_names},
+        input_grads={
+            k.removeprefix("input "): v for k, v in grads.items() if k not in parameter_names
+        },
         buffers=buffers,
         runs=runs,
     )
@@ -868,31 +945,41 @@ def _nondeterministic_op_error(
 
 def check_determinism(
     model_or_function: Callable[..., Any],
+    /,
     *inputs: Any,
+    forward_kwargs: Mapping[str, Any] | None = None,
     runs: int = 3,
     cross_process: bool = False,
     cotangent_seed: int = DEFAULT_SEED,
-    **kwargs: Any,
+    **unknown: Any,
 ) -> DeterminismResult:
     """Run forward and backward ``runs`` times from identical conditions; all must agree.
 
-    Every run starts from the same parameters and buffers, the same global RNG
-    states (Python, NumPy, torch CPU and CUDA) and fresh copies of ``inputs`` and
-    ``kwargs``; the model and inputs are left as they were. A fixed random
-    cotangent (seeded by ``cotangent_seed``) is pulled back through every
+    Each run calls ``model_or_function(*inputs, **forward_kwargs)``. Every run starts
+    from the same parameters and buffers (of the modules the callable reaches: a
+    module, a bound method, a ``functools.partial``, closures, defaults and globals
+    holding modules), the same global RNG states (Python, NumPy, torch CPU and CUDA)
+    and fresh copies of the inputs; the model and inputs are left as they were. A
+    fixed random cotangent (seeded by ``cotangent_seed``) is pulled back through every
     floating-point output that requires grad, with ``torch.autograd.grad``, so
     ``.grad`` attributes are not touched. Gradients are taken for every parameter
     that requires grad and every floating-point input that requires grad; when
     nothing requires grad, for every floating-point input.
 
     ``cross_process=True`` makes the last run happen in a fresh Python process with
-    the same thread count (model, function and inputs must be picklable).
+    the same thread count (model, function and inputs must be picklable). Options are
+    keyword-only; any other keyword is a ``TypeError``: the forward's keyword arguments
+    go in ``forward_kwargs``.
 
     Raises :class:`DeterminismError` naming the first differing tensor, then the first
     aten op or Python decision where the runs part, or :class:`NondeterministicOpError`
     when an op has no deterministic implementation.
     """
     __tracebackhide__ = True
+    calls.reject_unknown_keywords(
+        "autograd_determinism", unknown, ("runs", "cross_process", "cotangent_seed")
+    )
+    kwargs = calls.forward_kwargs_of("autograd_determinism", forward_kwargs)
     if not callable(model_or_function):
         raise TypeError(
             "model_or_function must be an nn.Module or a callable, "

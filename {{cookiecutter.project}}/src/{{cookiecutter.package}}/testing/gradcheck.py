@@ -2,35 +2,41 @@
 
 ``gradcheck(model, x)`` compares the gradients autograd computes with finite
 differences, for the inputs that require grad and every trainable parameter of the
-model. It works on float64 copies, so the model and tensors passed in keep their
-dtype, values, device and ``requires_grad``. The comparison itself is done by
-``torch.autograd.gradcheck`` (and ``gradgradcheck`` for second order); when it
-fails, this module finds the element that is wrong and says why:
+modules the callable reaches (:mod:`.calls`). It computes in float64 end to end
+(:mod:`.float64`): the modules hold float64 copies of their parameters and buffers
+while it runs and get their own tensors back afterwards, so the model and tensors
+passed in keep their dtype, values, device, ``requires_grad``, ``.grad`` and hooks.
+Parameter gradient hooks run on the copies: they are part of the checked gradient.
+Slow mode and second order use ``torch.autograd.gradcheck``/``gradgradcheck``;
+when a check fails, this module finds the element that is wrong and says why:
 
 - a wrong gradient: the tensor and element (``parameter fc2.weight[3, 1]``), the
-  output element, the numerical and analytical values;
+  output element, the numerical and analytical values, the other wrong tensors;
 - a branch boundary: the finite differences took another branch of a data-dependent
   decision (``if h.mean() > 0``) than the point itself, found by recording each
   evaluation's decisions with :mod:`.control_flow`;
 - a kink: the one-sided differences disagree (relu, abs, max, clamp evaluated exactly
-  where they switch).
+  where they switch); a jump when the outputs change as much over half the step.
 
 Cost. Slow mode compares every element: two forward passes per checked element, and
-one backward pass per output element. Fast mode compares, for each checked tensor,
-the derivative along one random direction, weighted by random output weights: two
-forward passes per checked tensor, whatever its size. With ``fast=None`` fast mode is
-used above ``FAST_MODE_ABOVE`` checked elements. After a failure in fast mode the
-offending tensor is rechecked element by element (located by bisection above
-``ELEMENTWISE_LIMIT`` elements), so the failure still names an element.
+one backward pass per output element. Fast mode (first order) takes one backward
+pass for the gradient of a random weighting of the outputs, and two forward passes
+per checked tensor for its derivative along a direction of random signs, whatever
+the tensor's size; a tensor whose derivatives disagree, or differ by more than a
+single wrong element of 1% of its largest gradient element would make them, is
+searched by bisection (above ``ELEMENTWISE_LIMIT`` elements) and rechecked element
+by element, so a failure still names an element. With ``fast=None`` fast mode is
+used above ``FAST_MODE_ABOVE`` checked elements.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import re
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +45,23 @@ from torch import nn
 from torch.autograd.gradcheck import GradcheckError
 from torch.utils import _pytree as pytree
 
-from .control_flow import Decision, DecisionLog, first_divergence, record_decisions
+from .calls import (
+    REENTRANT_CHECKPOINT,
+    forward_kwargs_of,
+    input_names,
+    reached_modules,
+    reentrant_checkpoint,
+    reject_data_less,
+    reject_unknown_keywords,
+)
+from .control_flow import (
+    Decision,
+    DecisionLog,
+    display_path,
+    first_divergence,
+    record_decisions,
+)
+from .float64 import CannotStayFloat64, Float64Mode, Widening
 from .global_state import restore, snapshot
 
 # Above this many checked elements (inputs and parameters together) fast=None picks
@@ -48,6 +70,10 @@ FAST_MODE_ABOVE = 2048
 # A failing tensor up to this size is rechecked element by element; a larger one is
 # first narrowed down by bisection over random directions.
 ELEMENTWISE_LIMIT = 1024
+# Fast mode flags a tensor for an element-wise search when its directional derivatives
+# disagree by this fraction of its largest gradient element (over √n, see _Check._screen):
+# a single element wrong by 1% of that is found with a margin of 4x.
+SCREENING_FRACTION = 0.0025
 # The diagnosis compares each output element separately up to this many output
 # elements (one backward pass each); above, one random weighting of the outputs.
 OUTPUT_ELEMENTS_LIMIT = 1024
@@ -71,6 +97,7 @@ __all__ = [
     "GradcheckFailure",
     "GradcheckResult",
     "NonDifferentiablePoint",
+    "OutputJump",
     "WrongGradient",
     "gradcheck",
 ]
@@ -118,6 +145,23 @@ class NonDifferentiablePoint(GradcheckFailure):
         self.tensor, self.index, self.left, self.right = tensor, index, left, right
 
 
+class OutputJump(NonDifferentiablePoint):
+    """The outputs jump at ``tensor[index]`` (by ``change`` over one step): a discontinuity."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        tensor: str,
+        index: tuple[int, ...],
+        left: float,
+        right: float,
+        change: float,
+    ) -> None:
+        super().__init__(message, tensor=tensor, index=index, left=left, right=right)
+        self.change = change
+
+
 @dataclass(frozen=True)
 class GradcheckResult:
     """What a passing check covered: ``str()`` of it is the line ``pytest -v`` shows."""
@@ -129,6 +173,7 @@ class GradcheckResult:
     mode_reason: str
     moved: int
     seconds: float
+    widened: tuple[str, ...] = ()
 
     @property
     def elements(self) -> int:
@@ -140,14 +185,21 @@ class GradcheckResult:
         return (
             f"gradcheck {self.function}: {order} order passed in {self.seconds:.2f} s, "
             f"{_mode_text(self.fast, self.mode_reason)}, {len(self.tensors)} tensor(s) "
-            f"({', '.join(name for name, _ in self.tensors)}){moved}"
+            f"({', '.join(name for name, _ in self.tensors)}){moved}{_widened_text(self.widened)}"
         )
+
+
+def _widened_text(widened: Sequence[str]) -> str:
+    if not widened:
+        return ""
+    return f"; computed in float64 where the forward asks for less: {', '.join(widened)}"
 
 
 def gradcheck(
     model_or_function: Callable[..., Any],
     /,
     *inputs: Any,
+    forward_kwargs: Mapping[str, Any] | None = None,
     params: bool | Iterable[str] = True,
     gradgrad: bool = False,
     fast: bool | None = None,
@@ -155,24 +207,33 @@ def gradcheck(
     atol: float = 1e-5,
     rtol: float = 1e-3,
     avoid_boundaries: bool = False,
-    **kwargs: Any,
+    **unknown: Any,
 ) -> GradcheckResult:
-    """Check the gradients of ``model_or_function(*inputs, **kwargs)`` against finite differences.
+    """Check the gradients of ``model_or_function(*inputs, **forward_kwargs)`` numerically.
 
-    Checked: every floating-point (or complex) tensor in ``inputs``/``kwargs`` that
-    requires grad and, for an ``nn.Module``, every parameter that requires grad
-    (``params=True``), none (``params=False``) or the parameters named in ``params``.
+    Checked: every floating-point (or complex) tensor in ``inputs``/``forward_kwargs``
+    that requires grad and every parameter that requires grad of the modules the
+    callable reaches (a module, a bound method of one, a ``functools.partial``, a
+    closure, default argument or global holding modules or containers of modules):
+    all of them (``params=True``), none (``params=False``) or the ones named in
+    ``params``. Parameter gradient hooks are part of the checked gradient.
     ``gradgrad=True`` checks second-order gradients as well. ``fast`` forces fast mode
     (``True``) or slow mode (``False``); ``None`` picks fast mode above
     ``FAST_MODE_ABOVE`` checked elements. ``avoid_boundaries=True`` retries at up to
     ``JITTER_ATTEMPTS`` points moved by seeded noise of relative size ``JITTER_SCALE``
-    when the point is on a branch boundary or a kink.
+    when the point is on a branch boundary or a kink. Options are keyword-only; any
+    other keyword is a ``TypeError``: the forward's keyword arguments go in
+    ``forward_kwargs``.
 
-    Raises a :class:`GradcheckFailure` (an ``AssertionError``) naming the element on
-    failure, ``TypeError``/``ValueError`` for arguments it cannot check. The global
-    torch state (RNGs included) is the same afterwards as before.
+    Everything computes in float64 (see :mod:`.float64`); the model and the tensors
+    passed in are left as they were. Raises a :class:`GradcheckFailure` (an
+    ``AssertionError``) naming the element on failure, ``TypeError``/``ValueError`` for
+    arguments it cannot check. The global torch state (RNGs included) is the same
+    afterwards as before.
     """
     __tracebackhide__ = True
+    reject_unknown_keywords("gradcheck", unknown, _OPTIONS)
+    kwargs = forward_kwargs_of("gradcheck", forward_kwargs)
     if isinstance(params, Iterable) and not isinstance(params, (str, bytes)):
         params = list(params)
     _validate_options(model_or_function, params, gradgrad, fast, eps, atol, rtol, avoid_boundaries)
@@ -193,20 +254,24 @@ def gradcheck(
         orders = (1, 2) if gradgrad else (1,)
         check = _Check(problem, fast=use_fast, reason=reason, eps=eps, atol=atol, rtol=rtol)
         moved = 0
-        while True:
-            try:
-                for order in orders:
-                    check.run(order)
-                break
-            except (BranchBoundary, NonDifferentiablePoint) as failure:
-                if not avoid_boundaries:
-                    raise
-                if moved == JITTER_ATTEMPTS:
-                    note = f"(still so after moving the point {moved} times: avoid_boundaries=True)"
-                    failure.args = (f"{failure}\n{note}",)
-                    raise
-                moved += 1
-                problem.jitter(moved)
+        with problem.installed():
+            while True:
+                try:
+                    for order in orders:
+                        check.run(order)
+                    break
+                except (BranchBoundary, NonDifferentiablePoint) as failure:
+                    if not avoid_boundaries:
+                        raise
+                    if moved == JITTER_ATTEMPTS:
+                        note = (
+                            f"(still so after moving the point {moved} times: "
+                            "avoid_boundaries=True)"
+                        )
+                        failure.args = (f"{failure}\n{note}",)
+                        raise
+                    moved += 1
+                    problem.jitter(moved)
         return GradcheckResult(
             function=problem.description,
             tensors=tuple((c.name, c.numel) for c in problem.checked),
@@ -215,9 +280,13 @@ def gradcheck(
             mode_reason=reason,
             moved=moved,
             seconds=time.perf_counter() - started,
+            widened=tuple(str(w) for w in problem.widened.values()),
         )
     finally:
         restore(state)
+
+
+_OPTIONS = ("params", "gradgrad", "fast", "eps", "atol", "rtol", "avoid_boundaries")
 
 
 def _validate_options(function, params, gradgrad, fast, eps, atol, rtol, avoid_boundaries) -> None:
@@ -254,8 +323,8 @@ def _is_name_list(value: Any) -> bool:
 def _mode_text(fast: bool, reason: str) -> str:
     if fast:
         return (
-            f"fast mode ({reason}: one random direction per tensor; "
-            "fast=False checks every element)"
+            f"fast mode ({reason}: one random direction per tensor, screened for single wrong "
+            "elements; fast=False checks every element)"
         )
     return f"slow mode ({reason}: every element)"
 
@@ -270,6 +339,7 @@ class _Checked:
     name: str
     value: torch.Tensor
     is_complex: bool
+    hooks: tuple[_Hook, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -313,21 +383,39 @@ class _NoFloatingOutput(TypeError):
     """Raised inside torch's check; re-raised as a plain TypeError without torch's frames."""
 
 
+@dataclass(frozen=True)
+class _Place:
+    """Where a module keeps a parameter or buffer (``owner[key]``), and the user's tensor."""
+
+    owner: dict[str, Any]
+    key: str
+    tensor: torch.Tensor
+
+
 class _Problem:
-    """``model_or_function`` as a function of the checked float64 tensors."""
+    """``model_or_function`` as a function of the checked float64 tensors.
+
+    While :meth:`installed` is active, every module the callable reaches holds float64
+    tensors in place of its parameters and buffers, so that whatever runs the module
+    (the callable, a checkpoint's recomputation in backward) computes in float64; the
+    user's tensor objects are put back afterwards, untouched.
+    """
 
     def __init__(self, function, inputs: tuple, kwargs: dict, params) -> None:
         __tracebackhide__ = True
-        self.module = function if isinstance(function, nn.Module) else None
         self.function = function
         self.description = _describe_callable(function)
+        self.roots = reached_modules(function)
         self.checked: list[_Checked] = []
         self._input_slots: list[tuple[int, int]] = []
-        self._param_slots: list[tuple[str, int]] = []
-        self._constants: dict[str, torch.Tensor] = {}
-        self._buffers: dict[str, torch.Tensor] = {}
         self.output_names: list[str] | None = None
         self.output_dtypes: list[torch.dtype] = []
+        self._mode = Float64Mode()
+        self.widened: dict[Any, Widening] = self._mode.widened
+        # Whether evaluations run under Float64Mode: None until the first evaluation (which
+        # does) shows whether the forward needs it; True after a check failed without it.
+        self.widen: bool | None = None
+        self._evaluated = False
         integer_inputs: list[str] = []
 
         paths_and_leaves, self._spec = pytree.tree_flatten_with_path((inputs, kwargs))
@@ -335,10 +423,21 @@ class _Problem:
         flat = flat and len(paths_and_leaves) == len(inputs) + len(kwargs)
         self._positional = len(inputs)
         self._keywords = list(kwargs) if flat else None
-        names = _positional_names(self.module.forward if self.module else function, len(inputs))
+        names = input_names(function, len(inputs))
+        named_leaves = [
+            ("input " + _input_name(path, names), leaf) for path, leaf in paths_and_leaves
+        ]
+        named_parameters = self._named("_parameters")
+        reject_data_less(
+            "gradcheck",
+            [
+                *((n, t) for n, t in named_leaves if isinstance(t, torch.Tensor)),
+                *((f"parameter {n}", t) for n, t in named_parameters),
+                *((f"buffer {n}", t) for n, t in self._named("_buffers")),
+            ],
+        )
         self._leaves: list[Any] = []
-        for position, (path, leaf) in enumerate(paths_and_leaves):
-            name = "input " + _input_name(path, names)
+        for position, (name, leaf) in enumerate(named_leaves):
             if isinstance(leaf, torch.Tensor):
                 if leaf.layout != torch.strided:
                     raise TypeError(
@@ -355,24 +454,76 @@ class _Problem:
                     integer_inputs.append(f"{name} ({leaf.dtype})")
             self._leaves.append(leaf)
 
-        if self.module is not None:
-            named = dict(self.module.named_parameters())
-            wanted = self._wanted_parameters(named, params)
-            for name, parameter in named.items():
-                if name in wanted:
-                    self._param_slots.append((name, len(self.checked)))
-                    self.checked.append(_checked_copy(f"parameter {name}", parameter))
-                else:
-                    self._constants[name] = _float64_copy(parameter)
-            for name, buffer in self.module.named_buffers():
-                floating = buffer.is_floating_point() or buffer.is_complex()
-                self._buffers[name] = _float64_copy(buffer) if floating else buffer.detach().clone()
+        # By id of the user's tensor: the checked slot, or the float64 constant.
+        self._param_slots: dict[int, int] = {}
+        self._constants: dict[int, torch.Tensor] = {}
+        wanted = self._wanted_parameters(dict(named_parameters), params)
+        for name, parameter in named_parameters:
+            if name in wanted:
+                self._param_slots[id(parameter)] = len(self.checked)
+                self.checked.append(_checked_copy(f"parameter {name}", parameter))
+                self.checked[-1].hooks = _gradient_hooks(parameter)
+            else:
+                self._constants[id(parameter)] = _float64_copy(parameter)
+        self._buffers = {
+            id(buffer): _float64_copy(buffer)
+            if buffer.is_floating_point() or buffer.is_complex()
+            else buffer.detach().clone()
+            for _, buffer in self._named("_buffers")
+        }
+        self._parameter_places, self._buffer_places = self._places()
         if not self.checked:
             raise ValueError(self._nothing_to_check(params, integer_inputs))
         self._generators = _generators(
             [c.value for c in self.checked]
             + [t for t in self._leaves if isinstance(t, torch.Tensor)]
         )
+
+    def _modules(self) -> Iterator[tuple[str, nn.Module]]:
+        """Every module reached, by its full name, shared ones under each of their names."""
+        for prefix, root in self.roots:
+            for name, module in root.named_modules(remove_duplicate=False):
+                yield _joined(prefix, name), module
+
+    def _named(self, kind: str) -> list[tuple[str, torch.Tensor]]:
+        """Each tensor in the ``kind`` dict (``_parameters``, ``_buffers``) of the modules, once."""
+        found: dict[int, tuple[str, torch.Tensor]] = {}
+        for prefix, module in self._modules():
+            for key, tensor in getattr(module, kind).items():
+                if tensor is not None and id(tensor) not in found:
+                    found[id(tensor)] = (_joined(prefix, key), tensor)
+        return list(found.values())
+
+    def _places(self) -> tuple[list[_Place], list[_Place]]:
+        parameters: list[_Place] = []
+        buffers: list[_Place] = []
+        seen: set[int] = set()
+        for _, module in self._modules():
+            if id(module) in seen:
+                continue
+            seen.add(id(module))
+            for places, tensors in ((parameters, module._parameters), (buffers, module._buffers)):
+                places.extend(_Place(tensors, k, t) for k, t in tensors.items() if t is not None)
+        return parameters, buffers
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Float64 everywhere for the block: default dtype, widening mode, module tensors."""
+        attributes = [
+            (module, {k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)})
+            for module in {id(m): m for _, m in self._modules()}.values()
+        ]
+        try:
+            torch.set_default_dtype(torch.float64)
+            yield
+        finally:
+            for place in (*self._parameter_places, *self._buffer_places):
+                place.owner[place.key] = place.tensor
+            for module, saved in attributes:
+                for key in [k for k, v in vars(module).items() if isinstance(v, torch.Tensor)]:
+                    if key not in saved:
+                        del module.__dict__[key]  # made by the forward during the check
+                module.__dict__.update(saved)
 
     def _wanted_parameters(self, named: dict[str, torch.Tensor], params) -> set[str]:
         __tracebackhide__ = True
@@ -391,8 +542,11 @@ class _Problem:
 
     def _nothing_to_check(self, params, integer_inputs: list[str]) -> str:
         lines = ["gradcheck: nothing to check: no input requires grad"]
-        if self.module is None:
-            lines[0] += f" and {self.description} is not an nn.Module, so it has no parameters"
+        if not self.roots:
+            lines[0] += (
+                f" and {self.description} reaches no nn.Module (neither is one nor holds one "
+                f"in its closure, defaults or bound self), so it has no parameters"
+            )
         elif params is False:
             lines[0] += " and params=False"
         else:
@@ -404,7 +558,7 @@ class _Problem:
             )
         lines.append(
             "call .requires_grad_() on the floating-point inputs to check"
-            + (", or pass params=True" if self.module is not None and params is False else "")
+            + (", or pass params=True" if self.roots and params is False else "")
         )
         return "\n".join(lines)
 
@@ -420,15 +574,43 @@ class _Problem:
             kwargs = dict(zip(self._keywords, leaves[self._positional :], strict=True))
         for generator in self._generators:
             generator.manual_seed(EVALUATION_SEED)
-        if self.module is None:
-            output = self.function(*args, **kwargs)
+        current: dict[int, torch.Tensor] = {}
+        for place in self._parameter_places:
+            key = id(place.tensor)
+            if key not in current:
+                slot = self._param_slots.get(key)
+                current[key] = (
+                    self._constants[key] if slot is None else self._with_hooks(slot, values[slot])
+                )
+            place.owner[place.key] = current[key]
+        for place in self._buffer_places:
+            key = id(place.tensor)
+            if key not in current:
+                current[key] = self._buffers[key].clone()  # forwards update buffers in place
+            place.owner[place.key] = current[key]
+        if self.widen is False:
+            outputs = self._floating_outputs(self.function(*args, **kwargs))
         else:
-            tensors = {name: buffer.clone() for name, buffer in self._buffers.items()}
-            tensors.update(self._constants)
-            for name, slot in self._param_slots:
-                tensors[name] = self.checked[slot].as_user(values[slot])
-            output = torch.func.functional_call(self.module, tensors, args, kwargs)
-        return self._floating_outputs(output)
+            with self._mode:
+                outputs = self._floating_outputs(self.function(*args, **kwargs))
+            if self.widen is None:
+                self.widen = bool(self.widened)
+        if not self._evaluated and any(o.requires_grad for o in outputs):
+            self._evaluated = True
+            if reentrant_checkpoint(outputs):
+                raise _ReentrantCheckpoint(REENTRANT_CHECKPOINT.format(check="gradcheck"))
+        return outputs
+
+    def _with_hooks(self, slot: int, value: torch.Tensor) -> torch.Tensor:
+        """The value a parameter takes in the forward; its gradient runs the user's hooks."""
+        checked = self.checked[slot]
+        value = checked.as_user(value)
+        if not checked.hooks or not value.requires_grad:
+            return value
+        hooked = value.view_as(value)
+        for hook in checked.hooks:
+            hooked.register_hook(hook.function)
+        return hooked
 
     def _floating_outputs(self, output: Any) -> tuple[torch.Tensor, ...]:
         single = type(output) is torch.Tensor and output.is_floating_point()
@@ -462,6 +644,76 @@ class _Problem:
             scale = float(value.abs().mean()) or 1.0
             noise = torch.randn(value.shape, generator=generator, dtype=value.dtype)
             checked.value = value + JITTER_SCALE * scale * noise.to(value.device)
+
+    def module_hooks(self) -> list[str]:
+        """``name: hook (file:line)`` for each backward hook on a module reached."""
+        found = []
+        for name, module in self._modules():
+            for hooks in (module._backward_hooks, module._backward_pre_hooks):
+                found.extend(f"{name or 'the model'}: {_hook_name(h)}" for h in hooks.values())
+        return found
+
+
+class _ReentrantCheckpoint(ValueError):
+    """Raised inside torch's check; re-raised as a plain ValueError without torch's frames."""
+
+
+@dataclass(frozen=True)
+class _Hook:
+    """A gradient hook of a parameter, as the check runs it on the float64 copy."""
+
+    function: Callable[[torch.Tensor], Any]
+    description: str
+
+
+def _gradient_hooks(parameter: torch.Tensor) -> tuple[_Hook, ...]:
+    """The parameter's ``register_hook`` and ``register_post_accumulate_grad_hook`` hooks."""
+    hooks = [
+        _Hook(_defined_only(h), _hook_name(h)) for h in (parameter._backward_hooks or {}).values()
+    ]
+    for hook in (getattr(parameter, "_post_accumulate_grad_hooks", None) or {}).values():
+        hooks.append(
+            _Hook(_defined_only(_after_accumulation(hook)), _hook_name(hook) + " (post-accumulate)")
+        )
+    return tuple(hooks)
+
+
+def _defined_only(hook: Callable[[torch.Tensor], Any]) -> Callable[[Any], Any]:
+    """``hook``, skipped for the undefined gradients torch's check sends through backward."""
+
+    def run(grad: torch.Tensor | None) -> Any:
+        return None if grad is None else hook(grad)
+
+    return run
+
+
+def _after_accumulation(hook: Callable[[torch.Tensor], Any]) -> Callable[[torch.Tensor], Any]:
+    """A tensor hook that runs a post-accumulate-grad hook on a stand-in for the parameter.
+
+    The stand-in holds the gradient in ``.grad`` as training would; what the hook
+    leaves there is the gradient that is checked.
+    """
+
+    def run(grad: torch.Tensor) -> torch.Tensor:
+        stand_in = torch.zeros_like(grad)
+        stand_in.grad = grad.detach().clone()
+        hook(stand_in)
+        return grad if stand_in.grad is None else stand_in.grad
+
+    return run
+
+
+def _hook_name(hook: Any) -> str:
+    code = getattr(hook, "__code__", None)
+    name = getattr(hook, "__qualname__", None) or type(hook).__name__
+    if code is None:
+        return name
+    where = f"{display_path(code.co_filename)}:{code.co_firstlineno}"
+    return f"{name.replace('.<locals>', '')} ({where})"
+
+
+def _joined(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix and name else prefix or name
 
 
 def _generators(tensors: list[torch.Tensor]) -> list[torch.Generator]:
@@ -500,24 +752,6 @@ def _describe_output(output: Any) -> str:
     return f"{type(output).__name__} of [{', '.join(kinds)}]" if leaves else repr(output)
 
 
-def _positional_names(function: Callable[..., Any], count: int) -> list[str]:
-    names: list[str] = []
-    try:
-        parameters = list(inspect.signature(function).parameters.values())
-    except (TypeError, ValueError):
-        parameters = []
-    for parameter in parameters:
-        if parameter.kind in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
-            names.append(parameter.name)
-        elif parameter.kind is parameter.VAR_POSITIONAL:
-            names.extend(f"{parameter.name}[{k}]" for k in range(count - len(names)))
-            break
-        else:
-            break
-    names.extend(str(position) for position in range(len(names), count))
-    return names[:count]
-
-
 def _input_name(path: tuple, positional: list[str]) -> str:
     # Paths into ((args...), {kwargs}): (0, position, ...) or (1, name, ...).
     group, key, rest = path[0], path[1], path[2:]
@@ -539,6 +773,12 @@ def _random_weights(like: torch.Tensor, generator: torch.Generator, *, normalize
     return (weights / weights.sum() if normalized else weights).to(like.device)
 
 
+def _random_signs(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A unit vector of random signs ``±1/√n`` shaped like ``like``."""
+    signs = torch.randint(0, 2, like.shape, generator=generator, dtype=torch.float64) * 2 - 1
+    return (signs / math.sqrt(max(like.numel(), 1))).to(like.device)
+
+
 class _Check:
     def __init__(
         self, problem: _Problem, *, fast: bool, reason: str, eps: float, atol: float, rtol: float
@@ -550,6 +790,18 @@ class _Check:
         __tracebackhide__ = True
         problem = self.problem
         generator = torch.Generator().manual_seed(EVALUATION_SEED)
+        if self.fast and order == 1:
+            try:
+                self._screen(generator)
+            except RuntimeError:
+                if not self._widen_from_now_on():
+                    raise
+                self.run(order)
+            except _NoFloatingOutput as error:
+                raise TypeError(str(error)) from None
+            except _ReentrantCheckpoint as error:
+                raise ValueError(str(error)) from None
+            return
         if self.fast:
             function, inputs = self._directional(order, generator)
         else:
@@ -563,10 +815,86 @@ class _Check:
                 torch.autograd.gradgradcheck(
                     lambda *values: problem.evaluate(values), inputs, **options
                 )
-        except GradcheckError as error:
+        except (GradcheckError, RuntimeError) as error:
+            if self._widen_from_now_on():
+                return self.run(order)
+            if not isinstance(error, GradcheckError):
+                raise
             raise _Diagnosis(self, order, str(error)).failure() from None
         except _NoFloatingOutput as error:
             raise TypeError(str(error)) from None
+        except _ReentrantCheckpoint as error:
+            raise ValueError(str(error)) from None
+        except CannotStayFloat64 as error:
+            raise CannotStayFloat64(str(error)) from None
+
+    def _widen_from_now_on(self) -> bool:
+        """After a failure without Float64Mode: whether to check again with it.
+
+        The first evaluation decides whether the forward needs the mode (it costs a
+        Python call per torch call); a branch it did not take may still narrow a dtype,
+        so a check that fails without the mode is run again with it.
+        """
+        if self.problem.widen is not False:
+            return False
+        self.problem.widen = True
+        return True
+
+    def _screen(self, generator: torch.Generator) -> None:
+        """Fast mode, first order: one random sign direction per checked tensor.
+
+        For ``s = w · outputs`` (random output weights ``w``) one backward pass gives
+        ``∇s`` for every tensor; two forward passes per tensor give the derivative of
+        ``s`` along ``u``, a direction of random signs ``±1/√n``. Along such a direction a
+        single wrong element of error ``δ`` shifts the derivative by ``δ/√n``, whatever
+        the other elements, so besides torch's tolerance (``atol + rtol·|numerical|``)
+        a tensor is flagged when the two differ by more than ``SCREENING_FRACTION`` of
+        its largest gradient element, over ``√n``, plus the rounding error of the
+        differences. A flagged tensor is searched by bisection and its suspects
+        rechecked element by element with ``atol``/``rtol``: only an element that fails
+        there fails the check.
+        """
+        __tracebackhide__ = True
+        problem = self.problem
+        point = [c.value.detach().requires_grad_() for c in problem.checked]
+        outputs = problem.evaluate(point)
+        weights = [_random_weights(o, generator) for o in outputs]
+        total = sum((w * o).sum() for w, o in zip(weights, outputs, strict=True))
+        analytical: Sequence[torch.Tensor | None] = [None] * len(point)
+        if isinstance(total, torch.Tensor) and total.requires_grad:
+            analytical = torch.autograd.grad(total, point, allow_unused=True)
+        failed, flagged = [], []
+        for index, (checked, gradient) in enumerate(zip(problem.checked, analytical, strict=True)):
+            direction = _random_signs(checked.value, generator)
+            sides = []
+            for sign in (1, -1):
+                values = [v.detach() for v in point]
+                values[index] = torch.add(values[index], direction, alpha=sign * self.eps)
+                outputs = problem.evaluate(values)
+                sides.append(
+                    sum((w * o.detach()).sum() for w, o in zip(weights, outputs, strict=True))
+                )
+            plus, minus = (float(side) for side in sides)
+            numerical = (plus - minus) / (2 * self.eps)
+            along = 0.0 if gradient is None else float((gradient * direction).sum())
+            difference = abs(along - numerical)
+            if difference > self.atol + self.rtol * abs(numerical):
+                failed.append(index)
+            elif gradient is not None:
+                # The rounding error of the central difference, a few units in the last place.
+                rounding = 2 * torch.finfo(torch.float64).eps * (abs(plus) + abs(minus)) / self.eps
+                largest = float(gradient.abs().max()) if gradient.numel() else 0.0
+                if difference > SCREENING_FRACTION * largest / math.sqrt(checked.numel) + rounding:
+                    flagged.append(index)
+        if (failed or flagged) and self._widen_from_now_on():
+            return self._screen(torch.Generator().manual_seed(EVALUATION_SEED))
+        if failed:
+            message = f"Jacobian mismatch for output 0 with respect to input {failed[0]}"
+            raise _Diagnosis(self, 1, message).failure()
+        if flagged:
+            wrong = _Diagnosis(self, 1, "").wrong_in(flagged)
+            if wrong is not None:
+                raise wrong
 
     def _directional(self, order: int, generator: torch.Generator):
         """A function of one scalar per checked tensor: its derivatives are fast mode's checks."""
@@ -669,7 +997,7 @@ def _moved_numbers(a: DecisionLog, b: DecisionLog) -> list[tuple[Decision, Decis
 
 @dataclass
 class _Finding:
-    kind: str  # "wrong", "boundary", "kink"
+    kind: str  # "wrong", "boundary", "kink", "jump"
     checked: _Checked
     element: int
     row: int
@@ -681,6 +1009,7 @@ class _Finding:
     side: str = ""
     one_sided: tuple[float, float] = (0.0, 0.0)
     moved: list = field(default_factory=list)
+    jump: float = 0.0  # for a jump: how much the output changed over one step
 
 
 class _Diagnosis:
@@ -742,7 +1071,8 @@ class _Diagnosis:
         entries = size * sum(c.numel for c in self.problem.checked)
         if size <= OUTPUT_ELEMENTS_LIMIT and entries <= _ANALYTICAL_ENTRIES_LIMIT:
             return None
-        return _random_weights(self.base, self.generator).reshape(1, -1)
+        # Weights of mean 1, not summing to 1: each element counts as much as in a sum.
+        return _random_weights(self.base, self.generator, normalized=False).reshape(1, -1)
 
     def _analytical(self, flat: torch.Tensor, values) -> list[torch.Tensor]:
         """Per checked tensor, the rows of the analytical Jacobian: (rows, elements)."""
@@ -786,7 +1116,8 @@ class _Diagnosis:
             findings = self._examine(index)
             wrong = [f for f in findings if f.kind == "wrong"]
             if wrong:
-                return self._wrong(wrong, findings, index)
+                also = self._also_wrong([i for i in order if i != index])
+                return self._wrong(wrong, findings, index, also)
             explained.extend(findings)
         boundaries = [f for f in explained if f.kind == "boundary"]
         if boundaries:
@@ -794,6 +1125,36 @@ class _Diagnosis:
         if explained:
             return self._kink(explained)
         return GradcheckFailure(self._unexplained())
+
+    def _also_wrong(self, indices: list[int]) -> list[str]:
+        """``name (k of n elements)`` of the other tensors with wrong elements, within budget.
+
+        In a mixture of experts a bug in one expert shows in the input's gradient first;
+        the expert's own parameters are what the message must name.
+        """
+        found = []
+        for index in indices:
+            if self.evaluations > _DIAGNOSIS_EVALUATIONS:
+                break
+            wrong = [f for f in self._examine(index) if f.kind == "wrong"]
+            if wrong:
+                checked = self.problem.checked[index]
+                counted = checked.numel <= ELEMENTWISE_LIMIT
+                found.append(
+                    f"{checked.name} ({len(wrong)} of {checked.numel} elements)"
+                    if counted
+                    else f"{checked.name} (at {checked.element(wrong[0].element)})"
+                )
+        return found
+
+    def wrong_in(self, indices: Iterable[int]) -> WrongGradient | None:
+        """The wrong gradient of the first of these tensors that has one, else ``None``."""
+        for index in indices:
+            findings = self._examine(index)
+            wrong = [f for f in findings if f.kind == "wrong"]
+            if wrong:
+                return self._wrong(wrong, findings, index)
+        return None
 
     def _examine(self, index: int) -> list[_Finding]:
         checked = self.problem.checked[index]
@@ -816,15 +1177,15 @@ class _Diagnosis:
             halves = candidates.chunk(2)
             scores = []
             for half in halves:
+                # Random signs: a wrong element shows undiluted by the others (see _screen).
                 direction = torch.zeros(checked.numel, dtype=torch.float64)
-                direction[half] = _random_weights(half, self.generator).cpu()
+                direction[half] = _random_signs(half, self.generator).cpu()
                 direction = direction.to(checked.value.device)
                 step = (self.eps * direction).reshape(checked.value.shape)
                 plus, _ = self._evaluate(index, step)
                 minus, _ = self._evaluate(index, -step)
                 numerical = self._project(plus - minus) / (2 * self.eps)
-                difference = (analytical @ direction - numerical).abs()
-                scores.append(float((difference / (self.atol + self.rtol * numerical.abs())).max()))
+                scores.append(float((analytical @ direction - numerical).abs().max()))
             candidates = halves[0] if scores[0] >= scores[1] else halves[1]
         return candidates
 
@@ -867,6 +1228,20 @@ class _Diagnosis:
         if bool(gap.any()):
             kink_row = int(((right - left).abs() * gap).argmax())
             finding.kind, finding.row = "kink", kink_row
+            # A kink's one-sided changes halve with the step; a jump's stay as they are.
+            half_plus, _ = self._evaluate(index, step / 2)
+            half_minus, _ = self._evaluate(index, -step / 2)
+            for full, half in (
+                (plus - self.base, half_plus - self.base),
+                (self.base - minus, self.base - half_minus),
+            ):
+                full_change = float(self._project(full)[kink_row])
+                half_change = float(self._project(half)[kink_row])
+                jumped = abs(full_change) > max(
+                    self.atol, 10 * self.eps * abs(analytical[kink_row])
+                )
+                if jumped and abs(half_change) > 0.75 * abs(full_change):
+                    finding.kind, finding.jump = "jump", full_change
             finding.one_sided = (float(left[kink_row]), float(right[kink_row]))
             finding.numerical = float(numerical[kink_row])
             finding.analytical = float(analytical[kink_row])
@@ -924,6 +1299,11 @@ class _Diagnosis:
                 f"note: {', '.join(low)}: the forward casts to a lower precision, "
                 f"which finite differences with eps={c.eps:g} cannot resolve"
             )
+        if self.problem.widened:
+            lines.append(
+                "computed in float64 where the forward asks for less: "
+                + ", ".join(str(w) for w in self.problem.widened.values())
+            )
         mode = _mode_text(c.fast, c.reason)
         if c.fast:
             mode += "; the failing tensor was then rechecked element by element"
@@ -933,7 +1313,9 @@ class _Diagnosis:
         )
         return "\n".join(lines)
 
-    def _wrong(self, wrong: list[_Finding], findings: list[_Finding], index: int) -> WrongGradient:
+    def _wrong(
+        self, wrong: list[_Finding], findings: list[_Finding], index: int, also: Sequence[str] = ()
+    ) -> WrongGradient:
         worst = max(wrong, key=lambda f: f.severity)
         checked = worst.checked
         what = ("first", "second")[self.order - 1]
@@ -959,6 +1341,21 @@ class _Diagnosis:
         others = len(findings) - len(wrong)
         if others:
             lines.append(f"  ({others} other elements sit at a branch boundary or a kink)")
+        if also:
+            lines.append(f"  also wrong: {', '.join(also)}")
+        if checked.hooks:
+            lines.append(
+                f"  {checked.name} has gradient hook(s) "
+                f"{', '.join(h.description for h in checked.hooks)}: the gradient training sees "
+                f"goes through them, so they are part of the checked (analytical) gradient; a "
+                f"hook that scales or changes the gradient makes it differ from the derivative"
+            )
+        module_hooks = self.problem.module_hooks()
+        if module_hooks:
+            lines.append(
+                f"  module backward hooks are part of the checked gradient too: "
+                f"{', '.join(module_hooks)}"
+            )
         lines.append(self._footer())
         return WrongGradient(
             "\n".join(lines),
@@ -1020,9 +1417,20 @@ class _Diagnosis:
         )
 
     def _kink(self, kinks: list[_Finding]) -> NonDifferentiablePoint:
-        first = kinks[0]
+        jumps = [f for f in kinks if f.kind == "jump"]
+        first = (jumps or kinks)[0]
         left, right = first.one_sided
         element = first.checked.element(first.element)
+        lines = self._jump_lines(jumps, element) if jumps else self._kink_lines(kinks, element)
+        lines.append(self._footer())
+        found = dict(tensor=first.checked.name, index=first.checked.index(first.element))
+        if jumps:
+            return OutputJump("\n".join(lines), **found, left=left, right=right, change=first.jump)
+        return NonDifferentiablePoint("\n".join(lines), **found, left=left, right=right)
+
+    def _kink_lines(self, kinks: list[_Finding], element: str) -> list[str]:
+        first = kinks[0]
+        left, right = first.one_sided
         matches = (
             "the left-hand derivative"
             if abs(first.analytical - left) <= first.allowed
@@ -1030,7 +1438,7 @@ class _Diagnosis:
             if abs(first.analytical - right) <= first.allowed
             else "neither one-sided derivative"
         )
-        lines = [
+        return [
             f"cannot check the gradient of {self.problem.description} at {element}: the function "
             f"is not differentiable there (one-sided differences disagree: a kink, such as relu, "
             f"abs, max or clamp exactly where it switches)",
@@ -1039,15 +1447,22 @@ class _Diagnosis:
             f"{first.analytical:.6g} ({matches})",
             f"  {len(kinks)} examined elements are at a kink; this is not a wrong gradient",
             "  move the point: pass avoid_boundaries=True, or check at inputs away from the kink",
-            self._footer(),
         ]
-        return NonDifferentiablePoint(
-            "\n".join(lines),
-            tensor=first.checked.name,
-            index=first.checked.index(first.element),
-            left=left,
-            right=right,
-        )
+
+    def _jump_lines(self, jumps: list[_Finding], element: str) -> list[str]:
+        first = jumps[0]
+        left, right = first.one_sided
+        return [
+            f"cannot check the gradient of {self.problem.description} at {element}: the outputs "
+            f"jump there (a discontinuity, such as argmax or top-k routing at a tie, a "
+            f"comparison, rounding or sorting: not a kink)",
+            f"  {self._output_element(first.row)} changes by {first.jump:.6g} when {element} "
+            f"moves by eps ({self.eps:g}), and by about as much when it moves by eps/2: the "
+            f"change does not shrink with the step, so the one-sided differences ({left:.6g} "
+            f"from the left, {right:.6g} from the right) grow without bound as eps shrinks",
+            f"  {len(jumps)} examined elements are at a jump; this is not a wrong gradient",
+            "  move the point: pass avoid_boundaries=True, or check at inputs away from the tie",
+        ]
 
     def _detached(self) -> str:
         names = ", ".join(self.problem.output_names or [])
