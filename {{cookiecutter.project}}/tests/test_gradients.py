@@ -22,13 +22,6 @@ from {{ cookiecutter.package }}.models import CheckpointedNet, EarlyExitNet, Top
 from {{ cookiecutter.package }}.testing.gradcheck import WrongGradient
 
 
-def seeded(factory, seed=0):
-    """``factory()`` under a fixed seed, leaving the global RNG as it was."""
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        return factory()
-
-
 def test_seed_examples(gradcheck):
     x = torch.tensor(2.0, requires_grad=True)
     w = torch.tensor(3.0, requires_grad=True)
@@ -62,24 +55,27 @@ MODELS = {
 
 @pytest.mark.parametrize("name", MODELS)
 def test_model_gradients(gradcheck, name):
+    torch.manual_seed(0)
     factory, shape = MODELS[name]
-    model = seeded(factory)
-    x = seeded(lambda: torch.randn(shape), seed=1).requires_grad_()
+    model = factory()
+    x = torch.randn(shape, requires_grad=True)
     gradcheck(model, x)
 
 
 def test_wrappers_of_models_check_their_parameters(gradcheck):
-    model = seeded(lambda: EarlyExitNet(8, confidence=0.5))
-    x = seeded(lambda: torch.randn(5, 8), seed=1)
+    torch.manual_seed(0)
+    model = EarlyExitNet(8, confidence=0.5)
+    x = torch.randn(5, 8)
     result = gradcheck(lambda x: model(x).softmax(-1), x)
     assert "parameter model.blocks.0.0.weight" in [name for name, _ in result.tensors]
     assert any(w.startswith("Tensor.float()") for w in result.widened)  # float32 made wide
 
 
 def test_gradient_hook_that_scales_is_found(gradcheck):
-    model = seeded(lambda: MeanGatedNet(8, 8))
+    torch.manual_seed(0)
+    model = MeanGatedNet(8, 8)
     model.linear.weight.register_hook(lambda grad: grad * 0.5)  # what training would see
-    x = seeded(lambda: torch.randn(4, 8), seed=1)
+    x = torch.randn(4, 8)
     with pytest.raises(WrongGradient, match="gradient hook") as failure:
         gradcheck(model, x)
     assert failure.value.tensor == "parameter linear.weight"
@@ -102,8 +98,9 @@ class OneWrongElement(torch.autograd.Function):
 
 
 def test_one_wrong_element_in_a_large_weight_is_found_in_fast_mode(gradcheck):
-    layer = seeded(lambda: nn.Linear(64, 64, bias=False))
-    x = seeded(lambda: torch.randn(4, 64), seed=1)
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 64, bias=False)
+    x = torch.randn(4, 64)
     with pytest.raises(WrongGradient) as failure:
         gradcheck(lambda x: OneWrongElement.apply(x, layer.weight), x)  # 4,096: fast mode
     assert (failure.value.tensor, failure.value.index) == ("parameter layer.weight", (10, 20))
@@ -111,31 +108,33 @@ def test_one_wrong_element_in_a_large_weight_is_found_in_fast_mode(gradcheck):
 
 
 def test_second_order_through_recursion(gradcheck):
-    model = seeded(lambda: RecursiveNet(3))
-    x = seeded(lambda: torch.randn(2, 4, 3), seed=1).requires_grad_()
+    torch.manual_seed(0)
+    model = RecursiveNet(3)
+    x = torch.randn(2, 4, 3, requires_grad=True)
     gradcheck(model, x, gradgrad=True)
 
 
 def test_dropout_and_batch_norm_in_training_mode(gradcheck):
-    model = seeded(
-        lambda: nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Dropout(0.3))
-    )
-    x = seeded(lambda: torch.randn(5, 6), seed=1).requires_grad_()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Tanh(), nn.Dropout(0.3))
+    x = torch.randn(5, 6, requires_grad=True)
     running_mean = model[1].running_mean.clone()
     gradcheck(model, x)
     assert torch.equal(model[1].running_mean, running_mean)  # checked on copies
 
 
 def test_large_model_switches_to_fast_mode(gradcheck):
-    model = seeded(lambda: DynamicNet(in_features=64, hidden=128, out_features=8))
-    x = seeded(lambda: torch.randn(8, 64), seed=1).requires_grad_()
+    torch.manual_seed(0)
+    model = DynamicNet(in_features=64, hidden=128, out_features=8)
+    x = torch.randn(8, 64, requires_grad=True)
     result = gradcheck(model, x)
     assert result.fast
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_model_gradients_on_gpu(gpu, gradcheck, name):
+    torch.manual_seed(0)
     factory, shape = MODELS[name]
-    model = seeded(factory).to(gpu)
-    x = seeded(lambda: torch.randn(shape), seed=1).to(gpu).requires_grad_()
+    model = factory().to(gpu)
+    x = torch.randn(shape).to(gpu, requires_grad=True)
     gradcheck(model, x, gradgrad=True)

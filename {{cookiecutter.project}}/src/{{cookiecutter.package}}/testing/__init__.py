@@ -4,7 +4,10 @@
 <package>.testing.plugin`` in ``addopts``); ``global_state`` snapshots and restores
 torch's process-wide settings and random number generators; ``determinism`` and
 ``gradcheck`` are the checks behind the ``autograd_determinism`` and ``gradcheck``
-fixtures, and ``control_flow`` records the data-dependent decisions both report.
-The GPU and driver facts the plugin decides on are in ``<package>.gpus``.
-Importing this package does not import torch.
+fixtures, with ``calls`` (how a callable's arguments and modules are found and
+named), ``float64`` (the mode that keeps a forward in float64) and ``branches``
+(inputs on the other side of each branch decision); ``control_flow`` records the
+data-dependent decisions they report, and ``decisions`` counts them for
+``pytest --decisions``. The GPU and driver facts the plugin decides on are in
+``<package>.gpus``. Importing this package does not import torch.
 """

@@ -45,6 +45,7 @@ from torch import nn
 from torch.autograd.gradcheck import GradcheckError
 from torch.utils import _pytree as pytree
 
+from .branches import BranchSide, other_sides
 from .calls import (
     REENTRANT_CHECKPOINT,
     forward_kwargs_of,
@@ -174,6 +175,7 @@ class GradcheckResult:
     moved: int
     seconds: float
     widened: tuple[str, ...] = ()
+    branches: tuple[BranchSide, ...] = ()  # with branches="all": each decision's other side
 
     @property
     def elements(self) -> int:
@@ -186,7 +188,14 @@ class GradcheckResult:
             f"gradcheck {self.function}: {order} order passed in {self.seconds:.2f} s, "
             f"{_mode_text(self.fast, self.mode_reason)}, {len(self.tensors)} tensor(s) "
             f"({', '.join(name for name, _ in self.tensors)}){moved}{_widened_text(self.widened)}"
+            f"{_branches_text(self.branches)}"
         )
+
+
+def _branches_text(branches: Sequence[BranchSide]) -> str:
+    if not branches:
+        return ""
+    return "; branches: " + "; ".join(str(side) for side in branches)
 
 
 def _widened_text(widened: Sequence[str]) -> str:
@@ -207,6 +216,7 @@ def gradcheck(
     atol: float = 1e-5,
     rtol: float = 1e-3,
     avoid_boundaries: bool = False,
+    branches: str = "point",
     **unknown: Any,
 ) -> GradcheckResult:
     """Check the gradients of ``model_or_function(*inputs, **forward_kwargs)`` numerically.
@@ -221,7 +231,10 @@ def gradcheck(
     (``True``) or slow mode (``False``); ``None`` picks fast mode above
     ``FAST_MODE_ABOVE`` checked elements. ``avoid_boundaries=True`` retries at up to
     ``JITTER_ATTEMPTS`` points moved by seeded noise of relative size ``JITTER_SCALE``
-    when the point is on a branch boundary or a kink. Options are keyword-only; any
+    when the point is on a branch boundary or a kink. ``branches="all"`` checks, besides
+    the point, a nearby point on the other side of each branch decision the point
+    reaches (see :mod:`.branches`); where none is found within the bound, the result
+    says so, and that alone is no failure. Options are keyword-only; any
     other keyword is a ``TypeError``: the forward's keyword arguments go in
     ``forward_kwargs``.
 
@@ -237,6 +250,11 @@ def gradcheck(
     if isinstance(params, Iterable) and not isinstance(params, (str, bytes)):
         params = list(params)
     _validate_options(model_or_function, params, gradgrad, fast, eps, atol, rtol, avoid_boundaries)
+    if branches not in BRANCH_CHOICES:
+        raise ValueError(
+            f"gradcheck: branches={branches!r} is not allowed: expected one of "
+            f"{', '.join(map(repr, BRANCH_CHOICES))}"
+        )
     state = snapshot()
     started = time.perf_counter()
     try:
@@ -272,6 +290,7 @@ def gradcheck(
                         raise
                     moved += 1
                     problem.jitter(moved)
+            sides = _check_other_sides(problem, check, orders, eps) if branches == "all" else ()
         return GradcheckResult(
             function=problem.description,
             tensors=tuple((c.name, c.numel) for c in problem.checked),
@@ -281,12 +300,43 @@ def gradcheck(
             moved=moved,
             seconds=time.perf_counter() - started,
             widened=tuple(str(w) for w in problem.widened.values()),
+            branches=sides,
         )
     finally:
         restore(state)
 
 
-_OPTIONS = ("params", "gradgrad", "fast", "eps", "atol", "rtol", "avoid_boundaries")
+_OPTIONS = ("params", "gradgrad", "fast", "eps", "atol", "rtol", "avoid_boundaries", "branches")
+BRANCH_CHOICES = ("point", "all")
+
+
+def _check_other_sides(
+    problem: _Problem, check: _Check, orders: tuple[int, ...], eps: float
+) -> tuple[BranchSide, ...]:
+    """Check the gradients on the other side of each branch decision the point reaches."""
+    __tracebackhide__ = True
+    at_point = [checked.value for checked in problem.checked]
+    movable = sorted({slot for _, slot in problem._input_slots})
+    sides = other_sides(problem.evaluate, at_point, movable, eps=eps)
+    for side in sides:
+        if not side.found:
+            continue
+        for checked, value in zip(problem.checked, side.values, strict=True):
+            checked.value = value
+        try:
+            for order in orders:
+                check.run(order)
+        except GradcheckFailure as failure:
+            failure.args = (
+                f"on the other side of the branch at {side.location} ({side.source}): "
+                f"{not side.at_point} there, {side.at_point} at the given point; the inputs "
+                f"moved by {side.moved:.3g} of their norm:\n{failure}",
+            )
+            raise
+        finally:
+            for checked, value in zip(problem.checked, at_point, strict=True):
+                checked.value = value
+    return tuple(sides)
 
 
 def _validate_options(function, params, gradgrad, fast, eps, atol, rtol, avoid_boundaries) -> None:

@@ -668,15 +668,17 @@ def gpu() -> Any:
 
 @pytest.fixture
 def autograd_determinism() -> Iterator[Callable[..., Any]]:
-    """``autograd_determinism(model_or_fn, /, *inputs, forward_kwargs=None, runs=3, ...)``.
+    """``autograd_determinism(model_or_function, /, *inputs, forward_kwargs=None, runs=3, ...)``:
+    bitwise check.
 
     For the whole test: deterministic algorithms, deterministic cuDNN (no benchmark),
     filled uninitialized memory and seeded RNGs; all restored afterwards, also when
-    the test fails. The callable runs forward and backward ``runs`` times from the
-    same parameters, buffers, RNG states and inputs and fails, naming the first
-    differing tensor and the op or branch where the runs part, unless all agree bit
-    for bit. Keyword arguments of the forward go in ``forward_kwargs``; every other
-    keyword is an option. It returns the first run's outputs and gradients.
+    the test fails. The callable runs ``model_or_function(*inputs, **forward_kwargs)``
+    forward and backward ``runs`` times from the same parameters, buffers, RNG states
+    and inputs and fails, naming the first differing tensor and the op or branch
+    where the runs part, unless all agree bit for bit. Options are keyword-only; any
+    other keyword is a ``TypeError``: the forward's keyword arguments go in
+    ``forward_kwargs``. It returns the first run's outputs and gradients.
     See :func:`.determinism.check_determinism` for the options.
     """
     from .determinism import check_determinism, deterministic_mode
@@ -687,16 +689,20 @@ def autograd_determinism() -> Iterator[Callable[..., Any]]:
 
 @pytest.fixture
 def gradcheck(request: pytest.FixtureRequest) -> Callable[..., Any]:
-    """``gradcheck(model_or_fn, /, *inputs, forward_kwargs=None, fast=None, ...)``.
+    """``gradcheck(model_or_function, /, *inputs, forward_kwargs=None, params=True,
+    gradgrad=False, fast=None, branches="point", ...)``.
 
-    Compares autograd's gradients with finite differences, in float64, for the inputs
-    that require grad and every parameter (second order too with ``gradgrad=True``),
-    leaving the model, the inputs and the global state as they were. Keyword
-    arguments of the forward go in ``forward_kwargs``; every other keyword is an
-    option. A failure names the tensor and element, the numbers, and whether the
-    point sits on a branch boundary or a kink instead. With ``-v`` each check writes
-    one line: what was checked and in which mode. See :func:`.gradcheck.gradcheck`
-    for the options.
+    Compares autograd's gradients with finite differences, in float64 end to end, for
+    the inputs that require grad and every parameter of the modules the callable
+    reaches (second order too with ``gradgrad=True``), leaving the model, the inputs
+    and the global state as they were. Parameter gradient hooks are part of the
+    checked gradient. ``branches="all"`` checks the other side of each branch
+    decision too. A failure names the tensor and element, the numbers, and whether
+    the point sits on a branch boundary, a kink or a jump instead. Options are
+    keyword-only; the forward's keyword arguments go in ``forward_kwargs``. With
+    ``-v`` each check writes one line: what was checked, in which mode, where the
+    forward's lower-precision dtypes were kept in float64, and which branch sides
+    were checked. See :func:`.gradcheck.gradcheck` for the options.
     """
     from .gradcheck import gradcheck as check
 
