@@ -568,8 +568,8 @@ def test_wrong_parameter_gradient_behind_a_lambda(gradcheck):
 EXPECTED_CONVENTION_FAILURES = {
     "test_unknown_keyword": [
         "E*TypeError: gradcheck() got unknown keyword argument(s) 'scale': its options are "
-        "params, gradgrad, fast, eps, atol, rtol, avoid_boundaries; keyword arguments of the "
-        "forward go in forward_kwargs={'scale': ...}",
+        "params, gradgrad, fast, eps, atol, rtol, avoid_boundaries, branches; keyword arguments "
+        "of the forward go in forward_kwargs={'scale': ...}",
     ],
     "test_meta_model": [
         "E*ValueError: gradcheck: parameter weight is on the meta device: it has a shape and a "

@@ -16,15 +16,14 @@ are reported as such.
 from __future__ import annotations
 
 import linecache
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from types import FrameType
 from typing import Any
 
 import torch
-from torch.overrides import TorchFunctionMode
 
-from .control_flow import UNKNOWN_LOCATION, user_location
+from .control_flow import UNKNOWN_LOCATION, DecisionMode, user_location
 
 __all__ = ["BranchSide", "other_sides"]
 
@@ -40,7 +39,7 @@ for _names, _sign in (
                 _COMPARISONS[getattr(_owner, _name)] = _sign
 for _dunder, _sign in (("__gt__", 1), ("__ge__", 1), ("__lt__", -1), ("__le__", -1)):
     _COMPARISONS[getattr(torch.Tensor, _dunder)] = _sign
-_BRANCH_OPS = {torch.Tensor.__bool__, torch.is_nonzero}
+_BRANCH_OPS = frozenset({"Tensor.__bool__", "torch.is_nonzero"})
 # How far beyond the boundary a moved point lies, in units of the change one finite
 # difference step (eps in one element) makes to the margin.
 _CLEARANCE = 1000.0
@@ -55,29 +54,29 @@ class _Branch:
     margin: torch.Tensor | None  # True iff margin > 0 (>= 0); None: no comparison
 
 
-class _BranchRecorder(TorchFunctionMode):
+class _BranchRecorder(DecisionMode):
     def __init__(self) -> None:
         super().__init__()
         self.margins: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.branches: list[_Branch] = []
         self._seen: dict[str, int] = {}
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
+    def computed(self, func: Any, args: tuple, kwargs: dict | None, result: Any) -> None:
         sign = _COMPARISONS.get(func)
         if sign is not None and isinstance(result, torch.Tensor) and result.numel() == 1:
             left, right = args[0], args[1] if len(args) > 1 else (kwargs or {})["other"]
-            margin = (sign * (left - right)).reshape(())
             # The result tensor is kept with its margin so its id stays unique.
-            self.margins[id(result)] = (result, margin)
-        elif func in _BRANCH_OPS:
-            location = user_location(sys._getframe(1)) or UNKNOWN_LOCATION
-            occurrence = self._seen.get(location, 0) + 1
-            self._seen[location] = occurrence
-            recorded = self.margins.get(id(args[0]))
-            margin = recorded[1] if recorded is not None and recorded[0] is args[0] else None
-            self.branches.append(_Branch(location, occurrence, bool(result), margin))
-        return result
+            self.margins[id(result)] = (result, (sign * (left - right)).reshape(()))
+
+    def decided(self, op: str, args: tuple, result: Any, frame: FrameType) -> None:
+        if op not in _BRANCH_OPS:
+            return
+        location = user_location(frame) or UNKNOWN_LOCATION
+        occurrence = self._seen.get(location, 0) + 1
+        self._seen[location] = occurrence
+        recorded = self.margins.get(id(args[0]))
+        margin = recorded[1] if recorded is not None and recorded[0] is args[0] else None
+        self.branches.append(_Branch(location, occurrence, bool(result), margin))
 
 
 @dataclass(frozen=True)

@@ -29,6 +29,21 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+__all__ = [
+    "DECISION_OPS",
+    "MODE_HANDLERS",
+    "TORCH_DIR",
+    "UNKNOWN_LOCATION",
+    "Decision",
+    "DecisionLog",
+    "DecisionMode",
+    "describe_divergence",
+    "display_path",
+    "first_divergence",
+    "record_decisions",
+    "user_location",
+]
+
 # Each callable that turns tensor data into a Python value, by the name a report uses.
 DECISION_OPS: dict[Any, str] = {
     torch.Tensor.__bool__: "Tensor.__bool__",
@@ -44,10 +59,10 @@ DECISION_OPS: dict[Any, str] = {
 }
 
 # A decision is located at the first frame outside torch: the user's line.
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _PLUGIN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # The plugin's torch function and dispatch modes sit between the user's call and torch.
-_MODE_HANDLERS = frozenset({"__torch_function__", "__torch_dispatch__"})
+MODE_HANDLERS = frozenset({"__torch_function__", "__torch_dispatch__"})
 UNKNOWN_LOCATION = "<unknown location>"
 
 
@@ -96,18 +111,37 @@ class DecisionLog(Sequence[Decision]):
         self._decisions.append(Decision(len(self._decisions) + 1, op, value, location))
 
 
-class _DecisionRecorder(TorchFunctionMode):
-    def __init__(self, log: DecisionLog) -> None:
-        super().__init__()
-        self.log = log
+class DecisionMode(TorchFunctionMode):
+    """A torch function mode that calls :meth:`decided` for each data-dependent decision.
+
+    Subclasses say what to do with a decision (log it, count it) and, through
+    :meth:`computed`, with any other torch call.
+    """
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
         op = DECISION_OPS.get(func)
-        if op is not None:
-            location = user_location(sys._getframe(1)) or UNKNOWN_LOCATION
-            self.log._append(op, result, location)
+        if op is None:
+            self.computed(func, args, kwargs, result)
+        else:
+            self.decided(op, args, result, sys._getframe(1))
         return result
+
+    def decided(self, op: str, args: tuple, result: Any, frame: FrameType) -> None:
+        """``op`` (a name in :data:`DECISION_OPS`) returned ``result``; ``frame`` called it."""
+        raise NotImplementedError
+
+    def computed(self, func: Any, args: tuple, kwargs: dict | None, result: Any) -> None:
+        """Any other torch call; nothing by default."""
+
+
+class _DecisionRecorder(DecisionMode):
+    def __init__(self, log: DecisionLog) -> None:
+        super().__init__()
+        self.log = log
+
+    def decided(self, op: str, args: tuple, result: Any, frame: FrameType) -> None:
+        self.log._append(op, result, user_location(frame) or UNKNOWN_LOCATION)
 
 
 @contextlib.contextmanager
@@ -161,9 +195,9 @@ def user_location(frame: FrameType | None) -> str | None:
     while frame is not None:
         filename = frame.f_code.co_filename
         if filename.startswith(_PLUGIN_DIR):
-            if frame.f_code.co_name not in _MODE_HANDLERS:
+            if frame.f_code.co_name not in MODE_HANDLERS:
                 return None
-        elif not filename.startswith(_TORCH_DIR):
+        elif not filename.startswith(TORCH_DIR):
             return f"{display_path(filename)}:{frame.f_lineno}"
         frame = frame.f_back
     return None

@@ -2,8 +2,8 @@
 
 Line coverage marks ``if h.mean() > 0:`` covered after one outcome; a wrong gradient
 in the branch no test takes still ships. While a test runs, :func:`recording` sees
-every call that turns tensor data into a Python value (the ops of
-:data:`.control_flow.DECISION_OPS`) and, when the line that made it lies in one of
+every call that turns tensor data into a Python value (a
+:class:`.control_flow.DecisionMode`) and, when the line that made it lies in one of
 the source folders, counts its outcome at that site:
 
 - a branch (``Tensor.__bool__``, ``torch.equal``, ...): how often True, how often False;
@@ -22,23 +22,16 @@ import enum
 import linecache
 import math
 import os
-import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
-import torch
-from torch.overrides import TorchFunctionMode
-
-from .control_flow import DECISION_OPS
+from .control_flow import MODE_HANDLERS, TORCH_DIR, DecisionMode
 
 __all__ = ["Coverage", "DecisionKind", "Site", "recording"]
 
-# Frames between the user's line and the recorder: other torch function modes and
-# torch's dispatch of them.
-_MODE_HANDLERS = frozenset({"__torch_function__", "__torch_dispatch__"})
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _BRANCH_OPS = frozenset({"Tensor.__bool__", "torch.is_nonzero", "torch.equal", "torch.allclose"})
 # Distinct values kept per site; past this the count is shown as "more than".
 _DISTINCT_LIMIT = 1000
@@ -259,27 +252,25 @@ class Coverage:
         return lines
 
 
-class _Recorder(TorchFunctionMode):
+class _Recorder(DecisionMode):
     def __init__(self, coverage: Coverage) -> None:
         super().__init__()
         self.coverage = coverage
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        op = DECISION_OPS.get(func)
-        if op is not None:
-            frame = sys._getframe(1)
-            while frame is not None and (
-                frame.f_code.co_name in _MODE_HANDLERS
-                or (
-                    frame.f_code.co_filename.startswith(_TORCH_DIR)
-                    and frame.f_code.co_name in ("handle_torch_function", "_wrapped")
-                )
-            ):
-                frame = frame.f_back
-            if frame is not None:
-                self.coverage.record(op, result, frame.f_code.co_filename, frame.f_lineno)
-        return result
+    def decided(self, op: str, args: tuple, result: Any, frame: FrameType) -> None:
+        # The line that made the decision: past other torch function modes and
+        # torch's Python dispatch to them.
+        caller: FrameType | None = frame
+        while caller is not None and (
+            caller.f_code.co_name in MODE_HANDLERS
+            or (
+                caller.f_code.co_filename.startswith(TORCH_DIR)
+                and caller.f_code.co_name in ("handle_torch_function", "_wrapped")
+            )
+        ):
+            caller = caller.f_back
+        if caller is not None:
+            self.coverage.record(op, result, caller.f_code.co_filename, caller.f_lineno)
 
 
 @contextlib.contextmanager
