@@ -123,7 +123,26 @@ def check_cuda_version(value):
 
 
 def check_python_version(value):
-    return listed_for_torch("torch_python", value, "a Python version torch {torch} supports")
+    problem = listed_for_torch("torch_python", value, "a Python version torch {torch} supports")
+    if problem:
+        return problem
+    torch = ANSWERS.get("torch_version")
+    image_python = COMPATIBILITY.get("image_python", {}).get(torch)
+    if image_python is not None and version_key(value) > version_key(image_python):
+        allowed = [
+            p
+            for p in COMPATIBILITY["torch_python"][torch]
+            if version_key(p) <= version_key(image_python)
+        ]
+        return (
+            f"a Python version at most {image_python}, the Python of the pytorch/pytorch:{torch} "
+            f"images (the project must install into it in the dev container): {', '.join(allowed)}"
+        )
+    return None
+
+
+def version_key(text):
+    return tuple(int(part) for part in str(text).split("."))
 
 
 def port_problem(value):
