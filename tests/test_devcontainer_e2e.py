@@ -21,7 +21,9 @@ reproduces the facts of the real image that the Dockerfile depends on:
   no /usr/bin/python3 (the distribution's Python is purged, as Ubuntu 22.04's
   images have none) and no user at UID 1000. Differences that nothing here depends
   on: torch is in /opt/conda/lib/python3.11/dist-packages (Debian's site layout
-  under that prefix) where conda has site-packages, and there is no conda command.
+  under that prefix) where conda has site-packages, that folder is a link to where
+  the common root filesystem keeps torch (moving it would copy 800 MB), and there
+  is no conda command.
 - `CUDA` stands for nvidia/cuda:*-ubuntu24.04: no Python, no torch (the build
   installs both, torch from TORCH_INDEX_URL, here a local index on 127.0.0.1 with
   the CPU wheel), user "ubuntu" at UID 1000, NVIDIA_REQUIRE_CUDA set (inert: no
@@ -31,10 +33,11 @@ reproduces the facts of the real image that the Dockerfile depends on:
 SSH, Jupyter, the container outliving the CLI's session and restarted with
 `docker stop`/`docker start` (start-services runs from the image's entrypoint),
 a rebuild that keeps the host keys, plain `docker run`, and a build with DEV_UID 0.
-`CONDA` and `CUDA` are brought up and checked where they differ: the environment
-sees the image's torch, the user, SSH. What the variants have in common is shared:
-one cached root filesystem, and one pip cache volume (a test override), so a wheel
-is downloaded once per run.
+Meanwhile, in two threads, `CONDA` is brought up with `devcontainer up` and `CUDA`
+is built and started with plain `docker run`, each checked where it differs: the
+environment sees the image's torch, the user, SSH, and (CONDA) a host key of its
+own. What the variants have in common is shared: one cached root filesystem, and
+one pip cache volume (a test override), so a wheel is downloaded once per run.
 
 The engine is a private dockerd (own data root and socket, no bridge, no iptables);
 containers and builds use the host network, and only 127.0.0.1 is contacted.
@@ -44,6 +47,7 @@ the whole flow: a module-scoped fixture would be started once per xdist worker.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import functools
 import http.server
@@ -193,15 +197,10 @@ def engine():
         yield engine
     finally:
         if daemon.poll() is None:
+            # Containers go first (their mounts); images and volumes go with the data root.
             containers = engine("ps", "-aq", check=False).stdout.split()
             if containers:
                 engine("rm", "-f", "-v", *containers, check=False)
-            volumes = engine("volume", "ls", "-q", check=False).stdout.split()
-            if volumes:
-                engine("volume", "rm", "-f", *volumes, check=False)
-            images = engine("images", "-aq", check=False).stdout.split()
-            if images:
-                engine("rmi", "-f", *images, check=False)
             daemon.send_signal(signal.SIGTERM)
             try:
                 daemon.wait(timeout=60)
@@ -402,17 +401,17 @@ CONDA = Layout(
     # the distribution's Python and the UID 1000 user are removed (Ubuntu 22.04 has none).
     r"""
 ARG SITE=/opt/conda/lib/python3.11/dist-packages
-RUN mkdir -p /opt/conda/bin "$SITE" \
+RUN mkdir -p /opt/conda/bin /opt/conda/lib/python3.11 \
     && cp /usr/bin/python3.11 /opt/conda/bin/ \
     && ln -s python3.11 /opt/conda/bin/python3 && ln -s python3.11 /opt/conda/bin/python \
     && cp -a /usr/lib/python3.11/. /opt/conda/lib/python3.11/ \
     && rm -f /opt/conda/lib/python3.11/EXTERNALLY-MANAGED \
         /opt/conda/lib/python3.11/sitecustomize.py \
-    && mv /usr/local/lib/python3.11/dist-packages/* "$SITE/" \
+    && ln -s /usr/local/lib/python3.11/dist-packages "$SITE" \
     && cp -a --no-clobber /usr/lib/python3/dist-packages/. "$SITE/" \
     && apt-mark manual python3-pip-whl python3-setuptools-whl \
     && apt-get purge -y python3.11-minimal libpython3.11-minimal \
-    && rm -rf /usr/local/lib/python3.11 /usr/lib/python3 \
+    && rm -rf /usr/lib/python3 \
     && userdel --remove ubuntu
 ENV PATH=/opt/conda/bin:$PATH
 RUN test "$(command -v python3)" = /opt/conda/bin/python3 && ! test -e /usr/bin/python3 \
@@ -496,6 +495,7 @@ def wait_for_port(port: int, seconds: float = 60) -> None:
 
 def make_box(engine: Engine, cli: Path, root: Path, base_image: str, **answers) -> DevContainer:
     """A generated project (its own ports), a host user's home with a key, and the CLI."""
+    build_args = answers.pop("build_args", None) or {}
     ssh_port, jupyter_port = free_port(), free_port()
     project = bake_project(root, ssh_port=str(ssh_port), jupyter_port=str(jupyter_port), **answers)
     # Owned by UID 1000, the container user's, as a host user's folder would be after
@@ -506,13 +506,13 @@ def make_box(engine: Engine, cli: Path, root: Path, base_image: str, **answers) 
     (home / ".ssh").mkdir(parents=True)
     key = home / ".ssh" / "id_ed25519"
     run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key], timeout=60)
-    build_args = answers.pop("build_args", None) or {}
     override = write_override(project, base_image, **build_args)
     return DevContainer(engine, cli, project, override, home, key, ssh_port, jupyter_port)
 
 
-def environment_probe(box: DevContainer) -> dict:
-    """What the project's environment sees in the container: prefixes, torch, user, python3."""
+def environment_probe(execute) -> dict:
+    """What the project's environment sees in the container (``execute(*command)`` runs a
+    command there): prefixes, torch, the user, a system python3, NVIDIA_REQUIRE_CUDA."""
     script = (
         "import json, os, pwd, shutil, sys, torch; print(json.dumps({"
         "'prefix': sys.prefix, 'base_prefix': sys.base_prefix, 'torch': torch.__version__, "
@@ -522,7 +522,7 @@ def environment_probe(box: DevContainer) -> dict:
         "'constraint': open('/etc/pip/constraints.txt').read().strip(), "
         "'nvidia_require_cuda': os.environ.get('NVIDIA_REQUIRE_CUDA')}))"
     )
-    return json.loads(box.exec("python", "-c", script).stdout.strip().splitlines()[-1])
+    return json.loads(execute("python", "-c", script).stdout.strip().splitlines()[-1])
 
 
 def assert_sees_the_image_torch(probe: dict, base_prefix: str, torch_dir: str) -> None:
@@ -539,6 +539,39 @@ def port_open(port: int) -> bool:
         return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
+def conda_flow(box: DevContainer) -> dict:
+    """pytorch/pytorch 2.8 and 2.9 (Miniforge Python at /opt/conda): devcontainer up, then
+    what the environment sees, an SSH session and the host key."""
+    box.up()
+    probe = environment_probe(box.exec)
+    wait_for_port(box.ssh_port)
+    session = box.ssh("dev", "python -c 'import dynamic_model, torch; print(torch.__file__)'")
+    return {**probe, "ssh_torch_file": session.stdout.strip(), "host_key": box.host_key()}
+
+
+def cuda_flow(engine: Engine, box: DevContainer, base_image: str, index_root: Path) -> dict:
+    """nvidia/cuda (no Python, no torch): the image built with TORCH_INDEX_URL (a local
+    index with the CPU wheel) and run with plain docker run; what it sees, and SSH."""
+    with local_index(index_root) as index_url:
+        engine(
+            "build", "--network=host", "--tag", "flavor-e2e",
+            "--build-arg", f"BASE_IMAGE={base_image}",
+            "--build-arg", f"TORCH_INDEX_URL={index_url}",
+            box.project / ".devcontainer",
+            timeout=1800,
+        )  # fmt: skip
+    engine(
+        "run", "--detach", "--name", "nvidia-cuda-flavor", "--network=host", "--init",
+        "-e", f"PROJECT_SSH_PORT={box.ssh_port}",
+        "-e", f"SSH_AUTHORIZED_KEYS={box.key.with_suffix('.pub').read_text()}",
+        "-v", f"{box.project}:/workspace",
+        "flavor-e2e",
+    )  # fmt: skip
+    probe = environment_probe(functools.partial(engine, "exec", "nvidia-cuda-flavor"))
+    wait_for_port(box.ssh_port)
+    return {**probe, "ssh": box.ssh("dev", "python -c 'import torch' && echo ok").stdout.strip()}
+
+
 def test_devcontainer_end_to_end(
     engine, standin_image, devcontainer_cli, tmp_path, record_property
 ):
@@ -553,11 +586,51 @@ def test_devcontainer_end_to_end(
         for layout in (SYSTEM_PYTHON, CONDA, CUDA)
     }
     lap("stand-ins derived")
+    # Projects are generated here, one at a time (cookiecutter changes the working folder).
+    box = make_box(engine, devcontainer_cli, tmp_path / "system", standins[SYSTEM_PYTHON])
+    conda = make_box(engine, devcontainer_cli, tmp_path / "conda", standins[CONDA], jupyter=False)
+    cuda = make_box(engine, devcontainer_cli, tmp_path / "cuda", standins[CUDA], jupyter=False)
+    # The other two layouts are checked while the first runs its whole flow: the
+    # builds wait on downloads and disk more than on the CPU.
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        conda_seen = pool.submit(conda_flow, conda)
+        cuda_seen = pool.submit(cuda_flow, engine, cuda, standins[CUDA], tmp_path / "index")
+        host_key = system_flow(engine, box, standins[SYSTEM_PYTHON], lap)
 
-    # --- pytorch/pytorch 2.10+ (the default image): the whole flow.
-    box = make_box(
-        engine, devcontainer_cli, tmp_path / "system", standins[SYSTEM_PYTHON], jupyter=True
-    )
+        # --- pytorch/pytorch 2.8 and 2.9: the venv is made from /opt/conda's Python
+        # and sees its torch; the build installed no second Python.
+        probe = conda_seen.result(timeout=1800)
+        lap("conda: devcontainer up and checks")
+        assert_sees_the_image_torch(probe, "/opt/conda", "/opt/conda/lib/python3.11/dist-packages")
+        assert probe["system_python3"] is False
+        assert (probe["user"], probe["uid"]) == ("dev", 1000)
+        assert probe["ssh_torch_file"].startswith("/opt/conda/lib/python3.11/dist-packages/")
+        # Another checkout of a project with the same name: its own host-key volume.
+        assert probe["host_key"] != host_key
+
+        # --- nvidia/cuda: Python and torch installed by the build; ubuntu (UID 1000)
+        # renamed to dev; NVIDIA_REQUIRE_CUDA inherited.
+        probe = cuda_seen.result(timeout=1800)
+        lap("nvidia-cuda: build, docker run and checks")
+        assert_sees_the_image_torch(probe, "/usr", "/usr/local/lib/python3.11/dist-packages")
+        assert (probe["user"], probe["uid"], probe["ubuntu_user"]) == ("dev", 1000, False)
+        assert probe["nvidia_require_cuda"] == "cuda>=13.0"
+        assert probe["ssh"] == "ok"
+
+    volumes = engine("volume", "ls", "--format", "{{.Name}}").stdout.split()
+    host_key_volumes = [v for v in volumes if re.fullmatch(r"dynamic-model-\w+-ssh-host-keys", v)]
+    assert len(host_key_volumes) == 2, volumes  # one per checkout
+    elapsed = time.monotonic() - started
+    images = engine("images", "--format", "{{.Repository}} {{.Size}}").stdout
+    record_property("devcontainer_e2e_seconds", round(elapsed))
+    record_property("devcontainer_e2e_laps", json.dumps(times))
+    record_property("devcontainer_images", images)
+    print(f"dev container end to end: {elapsed:.0f} s; laps: {times}; images:\n{images}")
+
+
+def system_flow(engine: Engine, box: DevContainer, base_image: str, lap) -> str:
+    """pytorch/pytorch 2.10 and newer, the default image: the whole flow. Returns the
+    container's SSH host key."""
     # Reopen in Container: build, create, postCreate (install, services, doctor).
     outcome, log = box.up()
     lap("system-python: devcontainer up")
@@ -565,7 +638,7 @@ def test_devcontainer_end_to_end(
 
     # The venv was made although the image's Python has no ensurepip (the build added
     # the venv package), and it sees the image's torch, which pip left alone.
-    probe = environment_probe(box)
+    probe = environment_probe(box.exec)
     assert_sees_the_image_torch(probe, "/usr", "/usr/local/lib/python3.11/dist-packages")
     # The base image's UID 1000 user was renamed, not duplicated.
     assert (probe["user"], probe["uid"], probe["ubuntu_user"]) == ("dev", 1000, False)
@@ -615,11 +688,8 @@ def test_devcontainer_end_to_end(
     # Named volumes carry the workspace's ${devcontainerId}, so other checkouts and
     # other users of this engine get their own host keys and caches.
     volumes = engine("volume", "ls", "--format", "{{.Name}}").stdout.split()
-    host_key_volumes = [
-        v for v in volumes if re.fullmatch(r"dynamic-model-[a-z0-9]{20,}-ssh-host-keys", v)
-    ]
-    assert len(host_key_volumes) == 1, volumes
-    assert not any("${" in v for v in volumes)
+    assert not any("${" in volume for volume in volumes), volumes
+    assert any(re.fullmatch(r"dynamic-model-\w{20,}-ssh-host-keys", v) for v in volumes), volumes
 
     # A rebuild keeps the SSH host key (a volume), so known_hosts stays valid; in a
     # git repository, it installs the pre-commit hook.
@@ -654,49 +724,14 @@ def test_devcontainer_end_to_end(
     assert "    HostKeyAlias dynamic-model\n" in logs
     assert f"http://localhost:{run_jupyter_port}/lab?token=" in logs
 
-    # DEV_UID 0 (--build-arg DEV_UID=$(id -u) run as root) stops the build, naming why.
+    # DEV_UID 0 (--build-arg DEV_UID=$(id -u) run as root) stops the build, naming why;
+    # the steps before the user's come from the cache.
     as_root = engine(
-        "build", "--network=host", "--build-arg", f"BASE_IMAGE={standins[SYSTEM_PYTHON]}",
+        "build", "--network=host", "--build-arg", f"BASE_IMAGE={base_image}",
         "--build-arg", "DEV_UID=0", box.project / ".devcontainer",
         check=False, timeout=1800,
     )  # fmt: skip
     assert as_root.returncode != 0
     assert "DEV_UID=0 DEV_GID=1000 is not allowed" in as_root.stdout + as_root.stderr
     lap("system-python: docker run and DEV_UID=0")
-
-    # --- pytorch/pytorch 2.8 and 2.9: Miniforge Python at /opt/conda.
-    conda = make_box(engine, devcontainer_cli, tmp_path / "conda", standins[CONDA], jupyter=False)
-    conda.up()
-    lap("conda: devcontainer up")
-    probe = environment_probe(conda)
-    assert_sees_the_image_torch(probe, "/opt/conda", "/opt/conda/lib/python3.11/dist-packages")
-    assert probe["system_python3"] is False  # the build installed no second Python
-    assert (probe["user"], probe["uid"]) == ("dev", 1000)
-    wait_for_port(conda.ssh_port)
-    assert conda.ssh(
-        "dev", "python -c 'import dynamic_model, torch; print(torch.__file__)'"
-    ).stdout.startswith("/opt/conda/")
-    # Another checkout of a project with the same name: its own host-key volume and key.
-    assert conda.host_key() != host_key
-
-    # --- nvidia/cuda: no Python, no torch; the build installs both.
-    with local_index(tmp_path / "index") as index_url:
-        cuda = make_box(
-            engine, devcontainer_cli, tmp_path / "cuda", standins[CUDA], jupyter=False,
-            build_args={"TORCH_INDEX_URL": index_url},
-        )  # fmt: skip
-        cuda.up()
-    lap("nvidia-cuda: devcontainer up")
-    probe = environment_probe(cuda)
-    assert_sees_the_image_torch(probe, "/usr", "/usr/local/lib/python3.11/dist-packages")
-    assert (probe["user"], probe["uid"], probe["ubuntu_user"]) == ("dev", 1000, False)
-    assert probe["nvidia_require_cuda"] == "cuda>=13.0"
-    wait_for_port(cuda.ssh_port)
-    cuda.ssh("dev", "python -c 'import dynamic_model'")
-
-    elapsed = time.monotonic() - started
-    images = engine("images", "--format", "{{.Repository}} {{.Size}}").stdout
-    record_property("devcontainer_e2e_seconds", round(elapsed))
-    record_property("devcontainer_e2e_laps", json.dumps(times))
-    record_property("devcontainer_images", images)
-    print(f"dev container end to end: {elapsed:.0f} s; laps: {times}; images:\n{images}")
+    return host_key
