@@ -390,7 +390,9 @@ SYSTEM_PYTHON = Layout(
     # python3 and python3-pip only: without the venv package there is no ensurepip.
     r"""
 RUN dpkg --purge python3-venv python3.11-venv \
-    && ! python3 -c 'import ensurepip' \
+    && ! python3 -m venv /tmp/venv-check >/tmp/venv-check.log 2>&1 \
+    && grep -q "because ensurepip is not" /tmp/venv-check.log \
+    && rm -rf /tmp/venv-check /tmp/venv-check.log \
     && test -f /usr/lib/python3.11/EXTERNALLY-MANAGED
 """,
 )
@@ -415,6 +417,7 @@ RUN mkdir -p /opt/conda/bin /opt/conda/lib/python3.11 \
     && userdel --remove ubuntu
 ENV PATH=/opt/conda/bin:$PATH
 RUN test "$(command -v python3)" = /opt/conda/bin/python3 && ! test -e /usr/bin/python3 \
+    && test "$(stat -c %U:%a /opt/conda/lib/python3.11)" = root:755 \
     && python3 -c 'import ensurepip, torch; assert torch.__file__.startswith("/opt/conda/")'
 """,
 )
@@ -581,26 +584,38 @@ def test_devcontainer_end_to_end(
     def lap(name: str) -> None:
         times[name] = round(time.monotonic() - started)
 
-    standins = {
-        layout: derive(engine, standin_image, layout, tmp_path / f"standin-{layout.name}")
-        for layout in (SYSTEM_PYTHON, CONDA, CUDA)
-    }
-    lap("stand-ins derived")
+    def derived(layout: Layout) -> str:
+        return derive(engine, standin_image, layout, tmp_path / f"standin-{layout.name}")
+
+    system = derived(SYSTEM_PYTHON)
+    conda_image, cuda_image = f"standin-{CONDA.name}", f"standin-{CUDA.name}"
+    lap("system-python: stand-in derived")
     # Projects are generated here, one at a time (cookiecutter changes the working folder).
-    box = make_box(engine, devcontainer_cli, tmp_path / "system", standins[SYSTEM_PYTHON])
-    conda = make_box(engine, devcontainer_cli, tmp_path / "conda", standins[CONDA], jupyter=False)
-    cuda = make_box(engine, devcontainer_cli, tmp_path / "cuda", standins[CUDA], jupyter=False)
-    # The other two layouts are checked while the first runs its whole flow: the
-    # builds wait on downloads and disk more than on the CPU.
+    box = make_box(engine, devcontainer_cli, tmp_path / "system", system)
+    conda = make_box(engine, devcontainer_cli, tmp_path / "conda", conda_image, jupyter=False)
+    cuda = make_box(engine, devcontainer_cli, tmp_path / "cuda", cuda_image, jupyter=False)
+
+    def conda_layout() -> dict:
+        derived(CONDA)
+        seen = conda_flow(conda)
+        lap("conda: stand-in, devcontainer up, checks")
+        return seen
+
+    def cuda_layout() -> dict:
+        derived(CUDA)
+        seen = cuda_flow(engine, cuda, cuda_image, tmp_path / "index")
+        lap("nvidia-cuda: stand-in, build, docker run, checks")
+        return seen
+
+    # The other two layouts are derived and checked while the first runs its whole
+    # flow: the builds wait on downloads and disk more than on the CPU.
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        conda_seen = pool.submit(conda_flow, conda)
-        cuda_seen = pool.submit(cuda_flow, engine, cuda, standins[CUDA], tmp_path / "index")
-        host_key = system_flow(engine, box, standins[SYSTEM_PYTHON], lap)
+        conda_seen, cuda_seen = pool.submit(conda_layout), pool.submit(cuda_layout)
+        host_key = system_flow(engine, box, system, lap)
 
         # --- pytorch/pytorch 2.8 and 2.9: the venv is made from /opt/conda's Python
         # and sees its torch; the build installed no second Python.
         probe = conda_seen.result(timeout=1800)
-        lap("conda: devcontainer up and checks")
         assert_sees_the_image_torch(probe, "/opt/conda", "/opt/conda/lib/python3.11/dist-packages")
         assert probe["system_python3"] is False
         assert (probe["user"], probe["uid"]) == ("dev", 1000)
@@ -611,7 +626,6 @@ def test_devcontainer_end_to_end(
         # --- nvidia/cuda: Python and torch installed by the build; ubuntu (UID 1000)
         # renamed to dev; NVIDIA_REQUIRE_CUDA inherited.
         probe = cuda_seen.result(timeout=1800)
-        lap("nvidia-cuda: build, docker run and checks")
         assert_sees_the_image_torch(probe, "/usr", "/usr/local/lib/python3.11/dist-packages")
         assert (probe["user"], probe["uid"], probe["ubuntu_user"]) == ("dev", 1000, False)
         assert probe["nvidia_require_cuda"] == "cuda>=13.0"
