@@ -168,9 +168,29 @@ def check_cuda_version(value, answers):
 
 
 def check_python_version(value, answers):
-    return listed_for_torch(
+    problem = listed_for_torch(
         "torch_python", value, answers, "a Python version torch {torch} supports"
     )
+    if problem:
+        return problem
+    torch = answers.get("torch_version")
+    compatibility = answers["_compatibility"]
+    image_python = compatibility.get("image_python", {}).get(torch)
+    if image_python is not None and version_key(value) > version_key(image_python):
+        allowed = [
+            p
+            for p in compatibility["torch_python"][torch]
+            if version_key(p) <= version_key(image_python)
+        ]
+        return (
+            f"a Python version at most {image_python}, the Python of the pytorch/pytorch:{torch} "
+            f"images (the project must install into it in the dev container): {', '.join(allowed)}"
+        )
+    return None
+
+
+def version_key(text):
+    return tuple(int(part) for part in str(text).split("."))
 
 
 def port_problem(value):

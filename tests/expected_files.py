@@ -15,6 +15,7 @@ from pathlib import Path
 BASE_FILES = frozenset(
     {
         ".template-answers.json",
+        ".devcontainer/.dockerignore",
         ".devcontainer/.gitignore",
         ".devcontainer/Dockerfile",
         ".devcontainer/collect-host-ssh-keys.sh",

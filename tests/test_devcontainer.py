@@ -83,9 +83,20 @@ def test_gpus_are_optional_and_shared_memory_is_enough(project: Path):
     settings = config(project)
     assert settings["hostRequirements"]["gpu"] == "optional"
     assert not any("--gpus" in arg for arg in settings["runArgs"])
-    assert "--ipc=host" in settings["runArgs"] or any(
-        arg.startswith("--shm-size") for arg in settings["runArgs"]
-    )
+    # Enough /dev/shm for DataLoader workers without sharing the host's IPC namespace.
+    assert "--shm-size=8g" in settings["runArgs"]
+    assert "--ipc=host" not in settings["runArgs"]
+
+
+def test_container_outlives_the_window_and_runs_its_entrypoint(project: Path):
+    """VS Code would stop the container when its window closes (shutdownAction's default)
+    and replace the entrypoint by a sleep loop (overrideCommand's default)."""
+    settings = config(project)
+    assert settings["shutdownAction"] == "none"
+    assert settings["overrideCommand"] is False
+    assert 'ENTRYPOINT ["/usr/local/bin/start-services"]\n' in dockerfile(project)
+    # The entrypoint starts the services at every start; a postStartCommand would too.
+    assert "postStartCommand" not in settings
 
 
 def test_ports_are_published_and_named_in_the_environment(project: Path):
@@ -111,14 +122,46 @@ def test_caches_and_host_keys_are_volumes_and_no_private_key_is_mounted(project:
         "/home/dev/.cache/pip",
         "/home/dev/.cache/pre-commit",
     }
+    # Per workspace: volumes are global per Docker daemon, and two checkouts (or two
+    # users of one GPU server) must not share host private keys or caches.
+    assert {m["source"] for m in volumes.values()} == {
+        "dynamic-model-${devcontainerId}-ssh-host-keys",
+        "dynamic-model-${devcontainerId}-pip-cache",
+        "dynamic-model-${devcontainerId}-pre-commit-cache",
+    }
     assert not any(".ssh" in m["source"] for m in mounts)
+
+
+def test_collected_keys_stay_out_of_the_build_context(project: Path):
+    ignored = (project / ".devcontainer" / ".dockerignore").read_text().splitlines()
+    assert "host-ssh-keys/" in ignored
+    assert config(project)["build"]["context"] == "."  # the folder of that .dockerignore
+
+
+@pytest.mark.parametrize(
+    ("uid", "gid", "message"),
+    [
+        ("0", "1000", "DEV_UID=0 DEV_GID=1000 is not allowed: the dev user must not be root"),
+        ("1000", "0", "DEV_UID=1000 DEV_GID=0 is not allowed: the dev user must not be root"),
+        ("10x", "1000", "DEV_UID=10x is not a number"),
+    ],
+)
+def test_root_or_bad_ids_stop_the_build_before_any_change(project: Path, uid, gid, message):
+    """`--build-arg DEV_UID=$(id -u)` run as root gives 0; SSH would then refuse the user."""
+    script = project / ".devcontainer" / "create-user.sh"
+    accounts = [Path(name).read_bytes() for name in ("/etc/passwd", "/etc/group")]
+    result = subprocess.run(
+        ["bash", str(script), "dev", uid, gid], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 1
+    assert message in result.stderr
+    assert [Path(name).read_bytes() for name in ("/etc/passwd", "/etc/group")] == accounts
 
 
 def test_user_lifecycle_and_editor(project: Path):
     settings = config(project)
     assert settings["remoteUser"] == settings["build"]["args"]["DEV_USER"] == "dev"
     assert settings["postCreateCommand"] == "bash .devcontainer/post-create.sh"
-    assert settings["postStartCommand"] == "start-services"
     assert settings["initializeCommand"][1].endswith("/.devcontainer/collect-host-ssh-keys.sh")
     vscode = settings["customizations"]["vscode"]
     assert {"ms-python.python", "ms-toolsai.jupyter"} <= set(vscode["extensions"])
@@ -196,11 +239,67 @@ def test_host_public_keys_are_collected_without_private_keys(project: Path, tmp_
     collected = sorted(p.name for p in (devcontainer / "host-ssh-keys").iterdir())
     assert collected == ["id_ed25519.pub"]
 
+    # A local host: its authorized_keys (who may log in to this machine) is not collected.
+    (home / ".ssh" / "authorized_keys").write_text("ssh-ed25519 AAAAC3Nz server-login\n")
+    subprocess.run(["sh", str(script)], env=host_env, check=True)
+    assert sorted(p.name for p in (devcontainer / "host-ssh-keys").iterdir()) == collected
+
     # A host without ~/.ssh: nothing collected, and no failure.
-    (home / ".ssh" / "id_ed25519.pub").unlink()
+    shutil.rmtree(home / ".ssh")
     subprocess.run(["sh", str(script)], env=host_env, check=True)
     assert not any((devcontainer / "host-ssh-keys").iterdir())
     assert (devcontainer / ".gitignore").read_text().splitlines() == ["host-ssh-keys/"]
+
+
+def test_on_a_remote_docker_host_its_login_keys_are_collected(project: Path, tmp_path: Path):
+    """VS Code Remote-SSH runs initializeCommand on the server (SSH_CONNECTION set): the
+    keys that log the user in there are in its authorized_keys, plain lines only."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    plain = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIJm7 me@laptop"
+    (home / ".ssh" / "authorized_keys").write_text(
+        f"# my laptop\n{plain}\n"
+        'command="/bin/backup" ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIBk2 backup\n'
+        'from="10.0.0.1" ssh-rsa AAAAB3NzaC1yc2EAAAADAQAB ci\n'
+        "ssh-ed25519-cert-v01@openssh.com AAAAIHNzaC1lZDI1NTE5LWNlcnQ cert\n"
+    )
+    devcontainer = tmp_path / "project" / ".devcontainer"
+    shutil.copytree(project / ".devcontainer", devcontainer)
+    script = devcontainer / "collect-host-ssh-keys.sh"
+    env = {"HOME": str(home), "PATH": "/usr/bin:/bin", "SSH_CONNECTION": "10.0.0.2 5 10.0.0.3 22"}
+    subprocess.run(["sh", str(script)], env=env, check=True)
+    collected = devcontainer / "host-ssh-keys" / "server-authorized-keys.pub"
+    assert collected.read_text() == f"{plain}\n"
+
+    # Without one plain line, no file.
+    (home / ".ssh" / "authorized_keys").write_text('command="x" ' + plain + "\n")
+    subprocess.run(["sh", str(script)], env=env, check=True)
+    assert not collected.exists()
+
+
+def test_a_symlinked_key_folder_is_refused(project: Path, tmp_path: Path):
+    """Writing through a link planted at host-ssh-keys/ could overwrite files elsewhere."""
+    home = tmp_path / "home"
+    (home / ".ssh").mkdir(parents=True)
+    (home / ".ssh" / "id_ed25519.pub").write_text("ssh-ed25519 AAAA me\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "kept.pub").write_text("not ours")
+    devcontainer = tmp_path / "project" / ".devcontainer"
+    shutil.copytree(project / ".devcontainer", devcontainer)
+    (devcontainer / "host-ssh-keys").symlink_to(elsewhere)
+    result = subprocess.run(
+        ["sh", str(devcontainer / "collect-host-ssh-keys.sh")],
+        env={"HOME": str(home), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 1
+    assert "host-ssh-keys is a symbolic link; refusing to write the keys through it" in (
+        result.stderr
+    )
+    assert sorted(p.name for p in elsewhere.iterdir()) == ["kept.pub"]
+    assert (elsewhere / "kept.pub").read_text() == "not ours"
 
 
 def test_readme_explains_the_container(project: Path):
@@ -211,7 +310,21 @@ def test_readme_explains_the_container(project: Path):
         "Remote-SSH",
         "ssh dynamic-model",
         "Port 2022",
-        "docker run -d --name dynamic-model --gpus all",
+        "    HostKeyAlias dynamic-model\n",
+        "docker run -d --name dynamic-model --gpus all --shm-size=8g --init",
+        "-p 127.0.0.1:2022:2022",
+        "Docker's port rules bypass host firewalls such as ufw and firewalld",
+        "shares the host's IPC namespace",
+        "is root in the container",
+        '`shutdownAction` is `"none"`',
+        "dev.containers.gpuAvailability",
+        "--gpu-availability all|detect|none",
+        '"--device", "nvidia.com/gpu=all"',
+        "linux/amd64 only",
+        '"BASE_IMAGE": "ubuntu:24.04"',
+        "tmux new -s train",
+        "pipx install pre-commit",
+        "Ports already taken",
         '-v "$PWD":/workspace',
         "--gpus '\"device=0,1\"'",
         ">= 525.60.13",
@@ -220,6 +333,12 @@ def test_readme_explains_the_container(project: Path):
     ):
         assert expected in readme, expected
     assert ("JupyterLab listens on port 8899" in readme) == jupyter_on(project)
+    assert ("-p 127.0.0.1:8899:8899" in readme) == jupyter_on(project)
+    # The docker run example publishes on 127.0.0.1 only; other interfaces are an opt-in.
+    example = readme.split("```bash\ndocker build -t dynamic-model-dev", 1)[1].split("```")[0]
+    published = re.findall(r"-p (\S+)", example)
+    assert published
+    assert all(port.startswith("127.0.0.1:") for port in published), published
 
 
 def test_template_dev_container_for_template_developers():
@@ -237,3 +356,32 @@ def test_template_dev_container_for_template_developers():
         [tool("hadolint"), str(folder / "Dockerfile")], capture_output=True, text=True
     )
     assert result.returncode == 0, result.stdout
+
+
+def test_python_newer_than_the_image_python_is_refused(tmp_path: Path, capfd):
+    """The project is installed into the image's Python: pip refuses a newer
+    requires-python there, and post-create (then SSH and Jupyter) would fail."""
+    from conftest import bake_project
+    from cookiecutter.exceptions import FailedHookException
+
+    with pytest.raises(FailedHookException):
+        bake_project(tmp_path, torch_version="2.9.1", cuda_version="12.8", python_version="3.12")
+    assert (
+        "error: python_version = '3.12' is not allowed: expected a Python version at most "
+        "3.11, the Python of the pytorch/pytorch:2.9.1 images (the project must install into "
+        "it in the dev container): 3.10, 3.11"
+    ) in capfd.readouterr().err
+    assert not any(tmp_path.iterdir())
+    newest = bake_project(
+        tmp_path, torch_version="2.10.0", cuda_version="13.0", python_version="3.12"
+    )
+    assert newest.is_dir()
+
+
+def test_every_torch_version_names_its_image_python():
+    from conftest import TEMPLATE_DIR
+
+    table = json.loads((TEMPLATE_DIR / "cookiecutter.json").read_text())["_compatibility"]
+    assert set(table["image_python"]) == set(table["torch_cuda"])
+    for torch, python in table["image_python"].items():
+        assert python in table["torch_python"][torch]

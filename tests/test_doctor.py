@@ -409,3 +409,46 @@ def test_other_package_name(bake) -> None:
         result = run_module(project, f"graph_lab.{command}", "--help")
         assert result.returncode == 0, result.stderr
         assert result.stdout.startswith(f"usage: python -m graph_lab.{command}")
+
+
+def test_gpu_access_names_the_case_it_sees(checks, tmp_path: Path) -> None:
+    """Outside a container, GPUs passed into one, or none passed and the switch for it."""
+    outside = checks.check_gpu_access(tmp_path, cuda_build=True)
+    assert (outside.status, outside.detail) == (
+        "ok",
+        "not in a container: torch sees this machine's GPUs directly",
+    )
+
+    docker = tmp_path / "docker"
+    (docker / "dev").mkdir(parents=True)
+    (docker / ".dockerenv").touch()
+    for device in ("nvidiactl", "nvidia-uvm", "nvidia1", "nvidia0"):
+        (docker / "dev" / device).touch()
+    passed = checks.check_gpu_access(docker, cuda_build=True)
+    assert (passed.status, passed.detail) == (
+        "ok",
+        "2 GPU(s) passed into this Docker container: /dev/nvidia0, /dev/nvidia1",
+    )
+
+    for device in ("nvidia0", "nvidia1"):
+        (docker / "dev" / device).unlink()
+    missing = checks.check_gpu_access(docker, cuda_build=True)
+    assert missing.status == "warn"
+    assert missing.detail.startswith("no GPU passed into this Docker container")
+    assert "dev.containers.gpuAvailability to all" in missing.detail
+    assert "devcontainer up --gpu-availability all" in missing.detail
+    # A CPU-only torch needs no GPU: the same case, said without a warning.
+    assert checks.check_gpu_access(docker, cuda_build=False).status == "ok"
+
+    podman = tmp_path / "podman"
+    (podman / "run").mkdir(parents=True)
+    (podman / "run" / ".containerenv").touch()
+    on_podman = checks.check_gpu_access(podman, cuda_build=True)
+    assert on_podman.status == "warn"
+    assert on_podman.detail.startswith("no GPU passed into this Podman container")
+    assert '"--device", "nvidia.com/gpu=all"' in on_podman.detail
+
+
+def test_gpu_access_row_is_in_the_report(default_project: Path) -> None:
+    result = doctor(default_project)
+    assert "GPU access" in rows(result.stdout)

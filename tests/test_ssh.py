@@ -178,6 +178,8 @@ def test_start_reports_keys_and_prints_ssh_config_entry(server: SshServer):
     assert f"Host {server.project.name}\n" in output
     assert f"    Port {server.port}\n" in output
     assert f"    User {server.user}\n" in output
+    # Each project its own known_hosts entry, whatever port it is reached on.
+    assert f"    HostKeyAlias {server.project.name}\n" in output
     # The bad line is named by its number, never echoed (it could be a private key).
     assert "ignoring line 2 of SSH_AUTHORIZED_KEYS: not a public key" in server.first_start.stderr
     assert "not a key: ignored" not in server.first_start.stderr + output
@@ -241,8 +243,81 @@ def test_effective_configuration_is_key_only(server: SshServer):
         "authenticationmethods publickey",
         f"allowusers {server.user}",
         f"port {server.port}",
+        "allowagentforwarding no",
+        "permituserenvironment no",
+        "loglevel VERBOSE",
+        "kexalgorithms sntrup761x25519-sha512@openssh.com,curve25519-sha256,"
+        "curve25519-sha256@libssh.org",
+        "macs hmac-sha2-256-etm@openssh.com,hmac-sha2-512-etm@openssh.com,umac-128-etm@openssh.com",
     ):
         assert line in effective
+    # StrictModes is on in the shipped policy; only this test's wrapper turns it off.
+    policy = (server.project / ".devcontainer" / "sshd_config").read_text().splitlines()
+    assert "StrictModes yes" in policy
+
+
+@pytest.mark.parametrize(
+    ("option", "value", "refusal"),
+    [
+        ("KexAlgorithms", "diffie-hellman-group14-sha256", "no matching key exchange method"),
+        ("MACs", "hmac-sha1", "no matching MAC found"),
+    ],
+)
+def test_old_algorithms_are_refused(server: SshServer, keys, option, value, refusal):
+    # An AEAD cipher carries its own integrity check: a MAC is negotiated only without one.
+    extra = ("-o", f"{option}={value}", "-o", "Ciphers=aes128-ctr")
+    result = server.ssh(server.user, keys["host_user"], "true", extra=extra)
+    assert result.returncode == 255
+    assert refusal in result.stderr
+    modern = server.ssh(server.user, keys["host_user"], "true", extra=("-o", "Ciphers=aes128-ctr"))
+    assert modern.returncode == 0, modern.stderr
+
+
+def test_logins_are_logged_where_the_user_can_read_them(server: SshServer, keys):
+    assert server.ssh(server.user, keys["host_user"], "true").returncode == 0
+    log = server.runtime / "sshd.log"
+    assert log.stat().st_mode & 0o777 == 0o640
+    assert log.stat().st_gid == int(subprocess.check_output(["id", "-g", server.user]))
+    text = log.read_text()
+    assert f"Accepted publickey for {server.user}" in text
+    assert "ED25519 SHA256:" in text  # VERBOSE: which key logged in
+
+
+def test_only_plain_key_lines_are_authorized(server: SshServer, keys):
+    """Options would let a line run a command or set the environment; certificates trust a
+    CA; a private key pasted by mistake is refused with a warning, never echoed."""
+    plain = keys["env_key"].with_suffix(".pub").read_text().strip()
+    private = keys["stranger"].read_text()
+    lines = [
+        f'command="/bin/sh -c id" {plain}',
+        f'from="127.0.0.1",no-pty {plain}',
+        f'environment="LD_PRELOAD=/tmp/x.so" {plain}',
+        f"cert-authority {plain}",
+        "ssh-ed25519-cert-v01@openssh.com AAAAIHNzaC1lZDI1NTE5LWNlcnQtdjAxQG9wZW5zc2guY29t cert",
+        plain,
+    ]
+    server.stop()
+    try:
+        result = server.start(SSH_AUTHORIZED_KEYS="\n".join(lines) + "\n" + private)
+        errors = result.stderr
+        for number in (1, 2, 3, 4):
+            assert (
+                f"ignoring line {number} of SSH_AUTHORIZED_KEYS: key options (command=, from=,"
+            ) in errors
+        assert "ignoring line 5 of SSH_AUTHORIZED_KEYS: a certificate" in errors
+        assert "line 7 of SSH_AUTHORIZED_KEYS begins a PRIVATE key (ignored)" in errors
+        assert "docker inspect" in errors
+        assert errors.count("start-sshd:") == 6  # one line for the whole private key
+        assert private.splitlines()[1] not in errors + result.stdout
+        authorized = server.runtime / "authorized_keys" / server.user
+        host_user = keys["host_user"].with_suffix(".pub").read_text().strip()
+        assert authorized.read_text().splitlines() == [plain, host_user]
+        # The plain line logs in; the options did not make it through.
+        session = server.ssh(server.user, keys["env_key"], "echo", "plain")
+        assert session.stdout.strip() == "plain", session.stderr
+    finally:
+        server.stop()
+        server.start()
 
 
 def test_session_gets_the_container_environment(server: SshServer, keys):

@@ -5,6 +5,19 @@
 set -euo pipefail
 name=$1 uid=$2 gid=$3
 
+for pair in "DEV_UID=$uid" "DEV_GID=$gid"; do
+    if [[ ! ${pair#*=} =~ ^[0-9]+$ ]]; then
+        echo "create-user: $pair is not a number (a user or group ID)" >&2
+        exit 1
+    fi
+done
+if ((10#$uid == 0 || 10#$gid == 0)); then
+    echo "create-user: DEV_UID=$uid DEV_GID=$gid is not allowed: the dev user must not be root" \
+        "(UID or GID 0), whom SSH refuses. Build as the user who owns the project" \
+        "(--build-arg DEV_UID=\$(id -u) run without sudo), or keep the default 1000." >&2
+    exit 1
+fi
+
 group=$(getent group "$gid" | cut -d: -f1) || true
 if [ -z "$group" ]; then
     groupadd --gid "$gid" "$name"

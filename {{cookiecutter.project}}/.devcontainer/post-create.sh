@@ -18,9 +18,9 @@ else
         "installed yet; after 'git init' run: pre-commit install"
 fi
 
-# postStartCommand starts the services after this script; start them now (both
-# scripts leave running services alone) so the doctor's SSH and Jupyter checks pass
-# on the first creation too.
+# The image's entrypoint (start-services) runs at every container start, in parallel
+# with this script; waiting for it here (it takes a lock, and leaves running services
+# alone) makes sure the doctor's SSH and Jupyter checks see the services.
 start-services
 if ! {{ cookiecutter.project }}-doctor; then
     echo "post-create: {{ cookiecutter.project }}-doctor reported problems (above); the container" \

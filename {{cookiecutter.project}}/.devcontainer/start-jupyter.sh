@@ -33,8 +33,8 @@ if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
     exit 0
 fi
 
-# setsid and nohup: the server outlives the command that started it (the
-# postStartCommand's terminal closes when the command ends).
+# setsid and nohup: the server outlives the command that started it (post-create
+# runs it through devcontainer exec, whose session closes when it ends).
 JUPYTER_TOKEN=$token setsid nohup jupyter lab --no-browser \
     --ServerApp.ip=0.0.0.0 --ServerApp.port="$port" --ServerApp.port_retries=0 \
     --ServerApp.root_dir="$root_dir" >"$log" 2>&1 </dev/null &

@@ -54,21 +54,49 @@ for type in ed25519 rsa; do
     host_keys+=("$key")
 done
 
-# Only lines that ssh-keygen reads as public keys are authorized: the sources are
-# user-supplied text. Other lines are reported by number, never echoed (they may
-# be a private key pasted by mistake).
+# The sources are user-supplied text. Only plain public key lines, "type base64
+# [comment]", that ssh-keygen reads as keys are authorized: lines with options
+# (command=, from=, environment=, cert-authority, ...) and certificates are refused.
+# Refused lines are reported by number, never echoed (they may be a private key
+# pasted by mistake, which gets a warning of its own).
 authorized=$runtime/authorized_keys/$user
+key_types='ssh-ed25519|ssh-rsa|ecdsa-sha2-nistp256|ecdsa-sha2-nistp384|ecdsa-sha2-nistp521|sk-ssh-ed25519@openssh\.com|sk-ecdsa-sha2-nistp256@openssh\.com'
+plain_key="^($key_types) [A-Za-z0-9+/]+={0,3}( [^[:cntrl:]]*)?$"
 add_keys() { # SOURCE-NAME < lines
-    local line number=0
+    local line number=0 private=0
     while IFS= read -r line || [ -n "$line" ]; do
         number=$((number + 1))
+        line=${line%$'\r'}
+        if ((private)); then
+            [[ $line == *"-----END "*"PRIVATE KEY-----"* ]] && private=0
+            continue
+        fi
         case $line in "" | "#"*) continue ;; esac
-        if ssh-keygen -l -f - <<<"$line" >/dev/null 2>&1; then
+        if [[ $line == *"-----BEGIN "*"PRIVATE KEY-----"* ]]; then
+            private=1
+            private_key_warning "$1" "$number"
+        elif [[ $line =~ $plain_key ]] && ssh-keygen -l -f - <<<"$line" >/dev/null 2>&1; then
             printf '%s\n' "$line" >>"$authorized.new"
+        elif [[ $line =~ -cert-v01@openssh\.com[[:space:]] ]]; then
+            echo "start-sshd: ignoring line $number of $1: a certificate; give the plain public key" >&2
+        elif [[ $line =~ [[:space:]]($key_types)[[:space:]] ]]; then
+            echo "start-sshd: ignoring line $number of $1: key options (command=, from=," \
+                "environment=, cert-authority, ...) are not accepted; give the plain key line" >&2
         else
-            echo "start-sshd: ignoring line $number of $1: not a public key" >&2
+            echo "start-sshd: ignoring line $number of $1: not a public key line (type base64 [comment])" >&2
         fi
     done
+}
+private_key_warning() { # SOURCE-NAME LINE-NUMBER
+    local where
+    if [ "$1" = SSH_AUTHORIZED_KEYS ]; then
+        where="the container's environment, which anyone who can run docker inspect on it can read"
+    else
+        where=$1
+    fi
+    echo "start-sshd: WARNING: line $2 of $1 begins a PRIVATE key (ignored). It is now stored in" \
+        "$where: remove it there, and replace the key (ssh-keygen -t ed25519); give only the" \
+        "public key, the line of the .pub file." >&2
 }
 : >"$authorized.new"
 add_keys SSH_AUTHORIZED_KEYS <<<"${SSH_AUTHORIZED_KEYS:-}"
@@ -109,6 +137,13 @@ done < <(pid1_environ)
 chgrp "$(id -g "$user")" "$runtime/session-env.sh"
 chmod 0640 "$runtime/session-env.sh"
 
+# LogLevel VERBOSE (logins with the key fingerprint, refusals) goes to this file,
+# which the dev user can read.
+log=$runtime/sshd.log
+touch "$log"
+chgrp "$(id -g "$user")" "$log"
+chmod 0640 "$log"
+
 config=$runtime/sshd_config
 {
     echo "# Written by start-sshd at each start. The policy is in $policy."
@@ -128,7 +163,7 @@ if [ -n "$pid" ] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = sshd ]; then
     kill -HUP "$pid"
     echo "start-sshd: sshd reloaded (port $port)"
 else
-    "$sshd" -f "$config"
+    "$sshd" -f "$config" -E "$log"
     echo "start-sshd: sshd listens on port $port; only $user may log in, with a key"
 fi
 # Return once sshd accepts connections (a reload re-executes it).
@@ -154,11 +189,13 @@ else
 fi
 cat <<EOF
 Add this to ~/.ssh/config on your machine, then run: ssh {{ cookiecutter.project }}
-(HostName is the machine running Docker; keep localhost when that is this machine.)
+(HostName is the machine running Docker; keep localhost when that is this machine.
+HostKeyAlias gives this project its own known_hosts entry. sshd's log: $log)
 
 Host {{ cookiecutter.project }}
     HostName localhost
     Port $port
     User $user
+    HostKeyAlias {{ cookiecutter.project }}
 
 EOF

@@ -400,6 +400,36 @@ def check_shm(path: Path = Path("/dev/shm")) -> Result:
     return Result(name, OK, f"{size / 2**30:.1f} GiB")
 
 
+def check_gpu_access(root: Path = Path("/"), cuda_build: bool | None = None) -> Result:
+    """Which case of GPU access this is: GPUs passed into a Docker or Podman container,
+    none passed (and the switch that passes them), or no container at all."""
+    name = "GPU access"
+    if (root / "run" / ".containerenv").exists():
+        engine = "Podman"
+    elif (root / ".dockerenv").exists():
+        engine = "Docker"
+    else:
+        return Result(name, OK, "not in a container: torch sees this machine's GPUs directly")
+    devices = sorted(f"/dev/{path.name}" for path in (root / "dev").glob("nvidia[0-9]*"))
+    if devices:
+        passed = f"{len(devices)} GPU(s) passed into this {engine} container"
+        return Result(name, OK, f"{passed}: {', '.join(devices)}")
+    if engine == "Podman":
+        switch = 'add "--device", "nvidia.com/gpu=all" to runArgs (CDI; podman run --device ...)'
+    else:
+        switch = (
+            "set the VS Code setting dev.containers.gpuAvailability to all, or run "
+            "devcontainer up --gpu-availability all (docker run: --gpus all)"
+        )
+    detail = (
+        f'no GPU passed into this {engine} container (hostRequirements.gpu "optional" adds '
+        f"--gpus all only when `docker info` lists the NVIDIA runtime); if the host has GPUs, "
+        f"{switch}"
+    )
+    wants_gpu = torch.version.cuda is not None if cuda_build is None else cuda_build
+    return Result(name, WARN if wants_gpu else OK, detail)
+
+
 def _port(environ: Mapping[str, str], variable: str) -> int | str | None:
     """The port in ``variable``: None when unset, the bad text when it is not a port."""
     text = environ.get(variable)
@@ -492,6 +522,7 @@ def run_checks(require_gpu: bool = False, environ: Mapping[str, str] = os.enviro
         *_rows("torch", check_torch),
         *_rows("NVIDIA driver", check_driver, torch.version.cuda, gpus.driver_version()),
         *_rows("GPU", check_gpus, unavailable_reason, require_gpu),
+        *_rows("GPU access", check_gpu_access),
         *_rows("eager mode", check_eager_mode),
         *_rows("TorchScript", check_torchscript, environ),
         *(row for device in devices for row in _rows(f"autograd {device}", check_autograd, device)),
