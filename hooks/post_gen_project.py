@@ -107,7 +107,8 @@ def next_steps(project, answers):
         "  2. code .   then run 'Dev Containers: Reopen in Container' (F1) in VS Code",
         "  3. in the container: pytest (CPU tests), pytest --gpu (GPU tests too)",
         f"  4. SSH into the running container: ssh -p {answers['ssh_port']} "
-        f"{dev_user(project)}@localhost (see README.md for keys and VS Code Remote-SSH)",
+        f"-o HostKeyAlias={project.name} {dev_user(project)}@localhost (its own known_hosts "
+        "entry; see README.md for keys, the ~/.ssh/config entry and VS Code Remote-SSH)",
     ]
     if answers["jupyter"]:
         lines.append(

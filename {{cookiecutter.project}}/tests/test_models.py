@@ -11,6 +11,7 @@ from {{ cookiecutter.package }} import (
     conditional_model,
     forward_with_condition,
 )
+from {{ cookiecutter.package }}.models import EarlyExitNet
 
 
 def test_product_rule_values():
@@ -119,3 +120,16 @@ def test_recursive_net_merges_steps_minus_one_times(steps, merges):
 def test_recursive_net_rejects_empty_sequence():
     with pytest.raises(ValueError, match="non-empty"):
         RecursiveNet(3)(torch.randn(2, 0, 3))
+
+
+@pytest.mark.parametrize(
+    ("confidence", "depth"), [(0.0, 1), (1.0, 3)], ids=["exits-after-one-block", "goes-through"]
+)
+def test_early_exit_depth_follows_the_confidence(confidence, depth):
+    torch.manual_seed(0)
+    model = EarlyExitNet(8, blocks=3, confidence=confidence)
+    x = torch.randn(4, 8)
+    h = x
+    for block in model.blocks[:depth]:
+        h = block(h)
+    assert torch.equal(model(x), model.exits[depth - 1](h))

@@ -395,7 +395,7 @@ def check_shm(path: Path = Path("/dev/shm")) -> Result:
             name,
             WARN,
             f"{size / 2**20:.0f} MiB: DataLoader workers (num_workers > 0) die with 'Bus error' "
-            "on large batches; start the container with --ipc=host or --shm-size=8g",
+            "on large batches; start the container with --shm-size=8g (or --ipc=host)",
         )
     return Result(name, OK, f"{size / 2**30:.1f} GiB")
 
