@@ -358,19 +358,19 @@ def test_template_dev_container_for_template_developers():
     assert result.returncode == 0, result.stdout
 
 
-def test_python_newer_than_the_image_python_is_refused(tmp_path: Path, capfd):
+def test_python_newer_than_the_image_python_is_refused(tmp_path: Path):
     """The project is installed into the image's Python: pip refuses a newer
     requires-python there, and post-create (then SSH and Jupyter) would fail."""
     from conftest import bake_project
     from cookiecutter.exceptions import FailedHookException
 
-    with pytest.raises(FailedHookException):
+    with pytest.raises(FailedHookException) as refused:
         bake_project(tmp_path, torch_version="2.9.1", cuda_version="12.8", python_version="3.12")
     assert (
         "error: python_version = '3.12' is not allowed: expected a Python version at most "
         "3.11, the Python of the pytorch/pytorch:2.9.1 images (the project must install into "
         "it in the dev container): 3.10, 3.11"
-    ) in capfd.readouterr().err
+    ) in str(refused.value)
     assert not any(tmp_path.iterdir())
     newest = bake_project(
         tmp_path, torch_version="2.10.0", cuda_version="13.0", python_version="3.12"
