@@ -489,6 +489,37 @@ def test_resume_with_another_schedule_warns(default_project: Path, finished_run:
     assert saved["run"]["batch_size"] == 64
 
 
+def test_running_mean_resumed_from_its_state_ends_with_the_same_bits(train_module) -> None:
+    """Across a fold of the partial sums (every 1,024 steps) and an interruption between."""
+    torch.manual_seed(0)
+    losses = torch.rand(2500) * 3
+    sizes = [64] * 2499 + [17]
+    device = torch.device("cpu")
+    whole = train_module.RunningMean(device)
+    for loss, size in zip(losses, sizes, strict=True):
+        whole.add(loss, size)
+    first = train_module.RunningMean(device)
+    for loss, size in zip(losses[:1500], sizes[:1500], strict=True):
+        first.add(loss, size)
+    state = first.state()
+    assert state["partials"].shape == (1,)
+    assert state["losses"].shape == (1500 - 1024,)
+    state = torch.load(io.BytesIO(save_bytes(state)), weights_only=True)  # as in a checkpoint
+    second = train_module.RunningMean(device, state)
+    for loss, size in zip(losses[1500:], sizes[1500:], strict=True):
+        second.add(loss, size)
+    assert second.count == whole.count == 64 * 2499 + 17
+    assert torch.equal(second.total(), whole.total())
+    expected = (losses.double() * torch.tensor(sizes, dtype=torch.float64)).sum() / whole.count
+    assert whole.value() == pytest.approx(expected.item(), rel=1e-12)
+
+
+def save_bytes(value) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
 def test_synthetic_data_makes_dynamic_net_skip_its_block_for_some_batches(train_module) -> None:
     """Why DDP needs ``find_unused_parameters=True`` for this model and data."""
     inputs, _ = train_module.synthetic_data(8192, seed=0)

@@ -268,31 +268,67 @@ def run_settings(config: Config, launch: Launch) -> dict[str, Any]:
 
 
 class RunningMean:
-    """A mean of per-batch losses kept on the device, read (and synchronized) only on demand."""
+    """The mean of an epoch's per-batch losses, summed on the device, read only on demand.
 
-    def __init__(self, device: torch.device, total: torch.Tensor | None = None, count: int = 0):
-        self.total = torch.zeros((), dtype=torch.float64, device=device)
-        if total is not None:
-            self.total.copy_(total)
-        self.count = count
+    A step only keeps its detached loss: adding it to a total at once would cost an op
+    per step (more, on the CPU, than the DataLoader's own work), and reading it would
+    wait for the GPU. Every `FOLD` steps of the epoch those losses are summed (in
+    float64) into one partial sum. The partial sums fall on the same steps whether or
+    not the epoch was interrupted, and `state` holds the losses not summed yet, so a
+    resumed epoch ends with the same bits.
+    """
+
+    FOLD = 1024
+
+    def __init__(self, device: torch.device, state: Mapping[str, Any] | None = None) -> None:
+        self.device = device
+        self._partials: list[torch.Tensor] = []
+        self._losses: list[torch.Tensor] = []
+        self._sizes: list[int] = []
+        self.count = 0
+        if state is not None:
+            self._partials = list(state["partials"].to(device).unbind())
+            self._losses = list(state["losses"].to(device).unbind())
+            self._sizes = list(state["sizes"])
+            self.count = state["samples"]
 
     def add(self, batch_mean: torch.Tensor, batch_size: int) -> None:
-        self.total.add_(batch_mean.detach(), alpha=batch_size)
+        self._losses.append(batch_mean.detach())
+        self._sizes.append(batch_size)
         self.count += batch_size
+        if len(self._losses) == self.FOLD:
+            self._partials.append(self._pending_sum())
+            self._losses, self._sizes = [], []
+
+    def _pending_sum(self) -> torch.Tensor:
+        if not self._losses:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        sizes = torch.tensor(self._sizes, dtype=torch.float64, device=self.device)
+        return (torch.stack(self._losses).double() * sizes).sum()
+
+    def total(self) -> torch.Tensor:
+        """The sum of batch loss x batch size so far (a float64 tensor on the device)."""
+        return torch.stack([*self._partials, self._pending_sum()]).sum()
 
     def value(self) -> float:
-        return self.total.item() / max(self.count, 1)
+        return self.total().item() / max(self.count, 1)
+
+    def state(self) -> dict[str, Any]:
+        """What a checkpoint needs to continue this mean (on the CPU)."""
+        empty = torch.zeros(0, dtype=torch.float64)
+        return {
+            "partials": torch.stack(self._partials).cpu() if self._partials else empty,
+            "losses": torch.stack(self._losses).cpu() if self._losses else empty.float(),
+            "sizes": list(self._sizes),
+            "samples": self.count,
+        }
 
 
 def process_states(
     launch: Launch, device: torch.device, running: RunningMean
 ) -> list[dict[str, Any]]:
     """Every process's random number generators and epoch loss so far, indexed by rank."""
-    state = {
-        "rng": _checkpoint.rng_state(device),
-        "loss_total": running.total.cpu(),
-        "samples": running.count,
-    }
+    state = {"rng": _checkpoint.rng_state(device), "loss": running.state()}
     if not launch.torchrun:
         return [state]
     states: list[Any] = [None] * launch.world_size
@@ -411,7 +447,7 @@ def train(
     try:
         while position.epoch < config.epochs:
             if mine is not None and position.step:
-                running = RunningMean(device, mine["loss_total"], mine["samples"])
+                running = RunningMean(device, mine["loss"])
             else:
                 running, elapsed = RunningMean(device), 0.0
             started = time.perf_counter() - elapsed
@@ -444,7 +480,7 @@ def train(
                 ):
                     save_checkpoint(running, started)
             totals = torch.stack(
-                [running.total, torch.tensor(float(running.count), device=device).double()]
+                [running.total(), torch.tensor(float(running.count), device=device).double()]
             )
             if launch.torchrun:
                 dist.all_reduce(totals)
