@@ -6,9 +6,10 @@ and `SyntheticBatches`), in this process, one torch thread. The bare loop is wha
 script without the command's machinery does: take each batch, forward, backward,
 step. ``train()`` adds the DataLoader (``--workers 0``), the running loss, the
 progress line, ``metrics.csv`` and an atomic, fsynced checkpoint at every epoch's
-end. The two are interleaved and the best of ``--repeats`` runs of each is
-compared, by wall clock and by CPU time (on a shared machine the CPU-time ratio is
-the stable one).
+end. The two are interleaved; the verdict is the median, over ``--repeats`` pairs,
+of the CPU-time ratio of a train run to the bare run right after it (on a shared
+machine that is the figure load changes disturb least); the ratios of the best
+runs of each, by wall clock and CPU time, are printed too.
 
     python benchmarks/train_overhead.py [--repeats 7] [--epochs 3] [--samples 8192]
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -87,11 +89,12 @@ def main() -> int:
         }
         weights = {name: run() for name, run in runs.items()}  # warm-up
         best = {name: [float("inf")] * 2 for name in runs}
+        paired = []  # CPU-time ratio of each train run to the bare run right after it
         for _ in range(arguments.repeats):  # interleaved, so load changes hit both
-            for name, run in runs.items():
-                best[name] = [
-                    min(old, new) for old, new in zip(best[name], timed(run), strict=True)
-                ]
+            times = {name: timed(run) for name, run in runs.items()}
+            for name, (wall, cpu) in times.items():
+                best[name] = [min(best[name][0], wall), min(best[name][1], cpu)]
+            paired.append(times["train"][1] / times["bare"][1])
     steps = -(-arguments.samples // arguments.batch_size)
     print(
         f"torch {torch.__version__}, 1 thread, CPU; {arguments.samples} samples, batch "
@@ -108,10 +111,12 @@ def main() -> int:
         )
     wall_ratio = best["train"][0] / best["bare"][0]
     cpu_ratio = best["train"][1] / best["bare"][1]
-    verdict = "meets" if cpu_ratio <= TARGET_RATIO else "misses"
+    median = statistics.median(paired)
+    verdict = "meets" if median <= TARGET_RATIO else "misses"
     print(
-        f"ratio {wall_ratio:.3f} wall clock, {cpu_ratio:.3f} CPU time: {verdict} the target "
-        f"of {TARGET_RATIO}x"
+        f"ratio of the best runs {wall_ratio:.3f} wall clock, {cpu_ratio:.3f} CPU time; "
+        f"median of the paired CPU-time ratios {median:.3f}: {verdict} the target of "
+        f"{TARGET_RATIO}x"
     )
     return 0
 
