@@ -20,7 +20,7 @@ ANSWERS = json.loads(r'{{ cookiecutter | tojson }}')  # fmt: skip
 
 # Files that exist only for a yes/no answer: removed when that answer is "no".
 FILES_BY_OPTION = {
-    "jupyter": [".devcontainer/start-jupyter.sh"],
+    "jupyter": [".devcontainer/start-jupyter.sh", "notebooks"],
 }
 # Caches that a template checkout may hold (its tests and linters run in it) and
 # cookiecutter would copy along; never part of a new project.

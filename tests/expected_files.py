@@ -35,6 +35,8 @@ BASE_FILES = frozenset(
         "src/{package}/__init__.py",
         "src/{package}/_checkpoint.py",
         "src/{package}/_command.py",
+        "src/{package}/_data.py",
+        "src/{package}/_metrics.py",
         "src/{package}/_progress.py",
         "src/{package}/doctor.py",
         "src/{package}/gpus.py",
@@ -60,7 +62,7 @@ BASE_FILES = frozenset(
 
 # (answer, value) -> files present only when that answer has that value.
 FILES_BY_ANSWER: dict[tuple[str, object], frozenset[str]] = {
-    ("jupyter", True): frozenset({".devcontainer/start-jupyter.sh"}),
+    ("jupyter", True): frozenset({".devcontainer/start-jupyter.sh", "notebooks/quickstart.ipynb"}),
 }
 
 _DEFAULTS = json.loads((Path(__file__).resolve().parent.parent / "cookiecutter.json").read_text())

@@ -1,17 +1,20 @@
 """The generated project's ``<package>-train``, run for real on the CPU.
 
 Runs go through ``python -m dynamic_model.train`` (and ``torchrun``) in subprocesses
-that are killed with SIGKILL where a crash is the point: mid-training, and halfway
-through writing a checkpoint (a ``sitecustomize`` module makes ``torch.save`` stall
-there). Resumed runs must end with weights and optimizer state bitwise equal to an
-uninterrupted run's. Bad command lines are checked in-process through ``main()``.
+that are killed with SIGKILL where a crash is the point: mid-epoch, right after a
+checkpoint (a ``sitecustomize`` module makes the process SIGKILL itself once the
+Nth checkpoint is renamed into place), and halfway through writing a checkpoint
+(``torch.save`` stalls there until the test kills it). Resumed runs must end with
+weights, optimizer state and ``metrics.csv`` losses bitwise equal to an
+uninterrupted run's, with DataLoader workers or without. Bad command lines are
+checked in-process through ``main()``.
 """
 
 from __future__ import annotations
 
+import csv
 import importlib
 import io
-import os
 import signal
 import subprocess
 import sys
@@ -23,11 +26,13 @@ import torch
 from conftest import DEFAULT_PACKAGE, module_environment, run_module
 
 TRAIN = f"{DEFAULT_PACKAGE}.train"
-# Small enough for seconds per run, large enough for several steps per epoch.
+# Small enough for seconds per run, large enough for several steps per epoch (32).
 SMALL = ("--device", "cpu", "--samples", "1024", "--batch-size", "32")
-# Killed after epoch 2, a run still has 8 epochs to go: time enough to kill it mid-training
-# even when the test process gets the CPU late.
-EPOCHS = "10"
+EPOCHS = "3"
+# With --checkpoint-every 10 the 5th checkpoint is at step 8 of epoch 2 (steps 10, 20,
+# 30, the end of epoch 1 at 32, then 40).
+EVERY = ("--checkpoint-every", "10")
+KILL_AT_CHECKPOINT = 5
 
 
 def train(project: Path, *args: str, env: dict[str, str] | None = None):
@@ -38,9 +43,24 @@ def checkpoint(directory: Path) -> dict:
     return torch.load(directory / "latest.pt", weights_only=True)
 
 
+def metrics(directory: Path) -> list[dict[str, str]]:
+    with (directory / "metrics.csv").open(newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def reproducible(rows: list[dict[str, str]]) -> list[tuple[str, ...]]:
+    """The columns of metrics.csv that do not depend on timing."""
+    return [(row["epoch"], row["step"], row["loss"], row["lr"]) for row in rows]
+
+
 def assert_bitwise_equal(actual: dict, expected: dict) -> None:
-    """Same epoch, loss, weights and optimizer state, bit for bit."""
-    assert (actual["epoch"], actual["loss"]) == (expected["epoch"], expected["loss"])
+    """Same position, loss, weights and optimizer state, bit for bit."""
+    assert (actual["epoch"], actual["step"], actual["global_step"], actual["loss"]) == (
+        expected["epoch"],
+        expected["step"],
+        expected["global_step"],
+        expected["loss"],
+    )
     assert actual["model"].keys() == expected["model"].keys()
     for name, tensor in expected["model"].items():
         assert torch.equal(actual["model"][name], tensor), f"weight {name} differs"
@@ -62,31 +82,42 @@ def wait_for_line(process: subprocess.Popen, text: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def reference(default_project: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """The uninterrupted run the interrupted ones are compared with."""
+def reference(default_project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted run the interrupted ones are compared with (no workers)."""
     directory = tmp_path_factory.mktemp("reference")
-    result = train(default_project, *SMALL, "--epochs", EPOCHS, "--checkpoint-dir", str(directory))
+    result = train(default_project, *SMALL, "--epochs", EPOCHS, "--run-dir", str(directory))
     assert result.returncode == 0, result.stderr
-    return checkpoint(directory)
+    return directory
 
 
 def test_one_epoch(default_project: Path, tmp_path: Path) -> None:
-    result = train(default_project, *SMALL, "--epochs", "1", "--checkpoint-dir", str(tmp_path))
+    result = train(default_project, *SMALL, "--epochs", "1", "--run-dir", str(tmp_path))
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("trained 1 epochs on cpu: loss ")
+    assert result.stdout.endswith(f", run {tmp_path}\n")
     (progress,) = result.stderr.splitlines()  # not a terminal: one line per epoch
     assert progress.startswith("epoch 1/1 [########################] 32/32 loss ")
     assert progress.split()[7] == "samples/s"
     saved = checkpoint(tmp_path)
-    assert saved["epoch"] == 1
+    assert (saved["epoch"], saved["step"], saved["global_step"]) == (1, 0, 32)
     assert saved["run"] == {
         "seed": 0,
         "samples": 1024,
         "batch_size": 32,
         "lr": 0.001,
+        "noise": 0.05,
+        "precision": "32",
         "world_size": 1,
     }
-    assert [path.name for path in tmp_path.iterdir()] == ["latest.pt"]
+    assert saved["scaler"] is None
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["latest.pt", "metrics.csv"]
+    (row,) = metrics(tmp_path)
+    assert list(row) == ["epoch", "step", "loss", "samples_per_s", "lr", "seconds"]
+    assert (row["epoch"], row["step"], row["lr"]) == ("1", "32", "0.001")
+    assert float(row["loss"]) == saved["loss"]  # written in full, not rounded
+    assert f"loss {saved['loss']:.4f}" in progress
+    assert float(row["samples_per_s"]) > 0
+    assert float(row["seconds"]) > 0
 
 
 def test_seed_command_line_on_a_machine_without_gpu(default_project: Path) -> None:
@@ -100,36 +131,94 @@ def test_seed_command_line_on_a_machine_without_gpu(default_project: Path) -> No
         f"python -m {DEFAULT_PACKAGE}.train: error: argument --device: cuda asked for, but CUDA "
         f"is not usable: torch {torch.__version__} is a CPU-only build (torch.version.cuda is None)"
     )
+    assert not (default_project / "runs").exists()  # nothing written for a bad command line
 
 
-def test_resume_after_sigkill_mid_training_is_bitwise_equal(
-    default_project: Path, tmp_path: Path, reference: dict
+KILL_AFTER_CHECKPOINT = """
+    import os
+    import signal
+
+    _replace = os.replace
+    renamed = 0
+
+    def replace(source, destination, *args, **kwargs):
+        # SIGKILL this process as soon as the Nth checkpoint is in place.
+        global renamed
+        _replace(source, destination, *args, **kwargs)
+        if os.path.basename(destination) == "latest.pt":
+            renamed += 1
+            if renamed == int(os.environ["KILL_AT_CHECKPOINT"]):
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    os.replace = replace
+"""
+
+
+def plant(directory: Path, source: str) -> Path:
+    """A folder with a ``sitecustomize.py`` holding ``source``, for PYTHONPATH."""
+    directory.mkdir()
+    (directory / "sitecustomize.py").write_text(textwrap.dedent(source))
+    return directory
+
+
+@pytest.mark.parametrize(
+    ("workers", "precision"), [("0", "32"), ("2", "32"), ("2", "bf16")], ids=str
+)
+def test_resume_after_sigkill_mid_epoch_is_bitwise_equal(
+    default_project: Path,
+    tmp_path: Path,
+    reference: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    workers: str,
+    precision: str,
 ) -> None:
-    args = (*SMALL, "--epochs", EPOCHS, "--checkpoint-dir", str(tmp_path))
-    process = subprocess.Popen(
-        [sys.executable, "-m", TRAIN, *args],
-        env=module_environment(default_project),
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
+    """Killed right after a checkpoint in the middle of epoch 2 and resumed: the same
+    weights, optimizer state and metrics as the uninterrupted run, which had no workers."""
+    if precision != "32":
+        reference = tmp_path_factory.mktemp(f"reference-{precision}")
+        whole = train(
+            default_project, *SMALL, "--epochs", EPOCHS, "--precision", precision,
+            "--run-dir", str(reference),
+        )  # fmt: skip
+        assert whole.returncode == 0, whole.stderr
+    run = tmp_path / "run"
+    args = (*SMALL, "--epochs", EPOCHS, "--precision", precision, "--run-dir", str(run))
+    killer = plant(tmp_path / "plant", KILL_AFTER_CHECKPOINT)
+    environ = module_environment(
+        default_project, path=(killer,), KILL_AT_CHECKPOINT=str(KILL_AT_CHECKPOINT)
     )
-    try:
-        wait_for_line(process, f"epoch  2/{EPOCHS}")
-        assert process.poll() is None, "the run finished before it could be killed"
-        process.send_signal(signal.SIGKILL)
-    finally:
-        process.kill()
-        process.wait()
-    assert process.returncode == -signal.SIGKILL
-    killed_at = checkpoint(tmp_path)["epoch"]
-    assert 2 <= killed_at < int(EPOCHS)
+    killed = train(default_project, *args, *EVERY, "--workers", workers, env=environ)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    saved = checkpoint(run)
+    assert (saved["epoch"], saved["step"], saved["global_step"]) == (1, 8, 40)
+    assert len(metrics(run)) == 1
 
+    resumed = train(default_project, *args, *EVERY, "--workers", workers, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    progress = resumed.stderr.splitlines()
+    assert [line.split()[1] for line in progress] == ["2/3", "3/3"]
+    assert " 32/32 " in progress[0]  # the epoch's steps in all, before and after the kill
+    assert_bitwise_equal(checkpoint(run), checkpoint(reference))
+    assert reproducible(metrics(run)) == reproducible(metrics(reference))
+    assert (run / "metrics.csv").read_text().count("epoch,") == 1  # one header
+
+
+def test_kill_at_an_epoch_end_and_resume_with_other_workers(
+    default_project: Path, tmp_path: Path, reference: Path
+) -> None:
+    """--workers does not change the numbers: killed with 2 workers after epoch 1
+    (``--checkpoint-dir``, the older name of ``--run-dir``), resumed with none."""
+    run = tmp_path / "run"
+    args = (*SMALL, "--epochs", EPOCHS, "--checkpoint-dir", str(run))
+    killer = plant(tmp_path / "plant", KILL_AFTER_CHECKPOINT)
+    environ = module_environment(default_project, path=(killer,), KILL_AT_CHECKPOINT="1")
+    killed = train(default_project, *args, "--workers", "2", env=environ)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    assert (checkpoint(run)["epoch"], checkpoint(run)["step"]) == (1, 0)
     resumed = train(default_project, *args, "--resume")
     assert resumed.returncode == 0, resumed.stderr
-    assert [line.split()[1] for line in resumed.stderr.splitlines()] == [
-        f"{epoch}/{EPOCHS}" for epoch in range(killed_at + 1, int(EPOCHS) + 1)
-    ]
-    assert_bitwise_equal(checkpoint(tmp_path), reference)
+    assert_bitwise_equal(checkpoint(run), checkpoint(reference))
+    assert reproducible(metrics(run)) == reproducible(metrics(reference))
 
 
 STALLING_SAVE = """
@@ -164,16 +253,16 @@ STALLING_SAVE = """
 
 
 def test_kill_during_checkpoint_write_leaves_latest_intact(
-    default_project: Path, tmp_path: Path, reference: dict
+    default_project: Path, tmp_path: Path, reference: Path
 ) -> None:
-    plant = tmp_path / "plant"
-    plant.mkdir()
-    (plant / "sitecustomize.py").write_text(textwrap.dedent(STALLING_SAVE))
+    """Killed while writing the checkpoint of epoch 2, after its metrics row: the resumed
+    run starts from epoch 1's checkpoint and writes epoch 2's row again, once."""
+    stall = plant(tmp_path / "plant", STALLING_SAVE)
     runs = tmp_path / "run"
-    args = (*SMALL, "--epochs", EPOCHS, "--checkpoint-dir", str(runs))
+    args = (*SMALL, "--epochs", EPOCHS, "--run-dir", str(runs))
     process = subprocess.Popen(
         [sys.executable, "-m", TRAIN, *args],
-        env=module_environment(default_project, path=(plant,)),
+        env=module_environment(default_project, path=(stall,)),
         stderr=subprocess.PIPE,
         stdout=subprocess.DEVNULL,
         text=True,
@@ -185,24 +274,25 @@ def test_kill_during_checkpoint_write_leaves_latest_intact(
         process.kill()
         process.wait()
 
-    (partial,) = (path for path in runs.iterdir() if path.name != "latest.pt")
+    (partial,) = (path for path in runs.iterdir() if path.suffix == ".tmp")
     assert partial.name.startswith(".latest.pt.")
-    assert partial.suffix == ".tmp"
     with pytest.raises((RuntimeError, OSError)):  # torn: no zip directory at its end
         torch.load(partial, weights_only=True)
     assert checkpoint(runs)["epoch"] == 1  # the complete one from before the kill
+    assert [row["epoch"] for row in metrics(runs)] == ["1", "2"]
 
     resumed = train(default_project, *args, "--resume")
     assert resumed.returncode == 0, resumed.stderr
     assert resumed.stderr.splitlines()[0] == (
         f"removed {partial}, an incomplete checkpoint of a killed run"
     )
-    assert [path.name for path in runs.iterdir()] == ["latest.pt"]
-    assert_bitwise_equal(checkpoint(runs), reference)
+    assert sorted(path.name for path in runs.iterdir()) == ["latest.pt", "metrics.csv"]
+    assert_bitwise_equal(checkpoint(runs), checkpoint(reference))
+    assert reproducible(metrics(runs)) == reproducible(metrics(reference))
 
 
 def test_resume_when_already_done(default_project: Path, tmp_path: Path) -> None:
-    args = (*SMALL, "--epochs", "1", "--checkpoint-dir", str(tmp_path))
+    args = (*SMALL, "--epochs", "1", "--run-dir", str(tmp_path))
     assert train(default_project, *args).returncode == 0
     again = train(default_project, *args, "--resume")
     assert again.returncode == 0
@@ -217,9 +307,9 @@ def train_module(default_project: Path, monkeypatch: pytest.MonkeyPatch):
 
 @pytest.fixture
 def finished_run(tmp_path: Path, default_project: Path) -> Path:
-    """A checkpoint directory of a finished 1-epoch run with ``SMALL``."""
+    """The folder of a finished 1-epoch run with ``SMALL``."""
     directory = tmp_path / "finished"
-    result = train(default_project, *SMALL, "--epochs", "1", "--checkpoint-dir", str(directory))
+    result = train(default_project, *SMALL, "--epochs", "1", "--run-dir", str(directory))
     assert result.returncode == 0, result.stderr
     return directory
 
@@ -248,14 +338,56 @@ def usage_error(train_module, capsys, *argv: str) -> str:
         (["--samples", "many"], "argument --samples: must be a positive integer, got 'many'"),
         (["--device", "gpu"], "argument --device: must be auto, cpu, cuda or cuda:N, got 'gpu'"),
         (
-            ["--checkpoint-dir", ""],
-            "argument --checkpoint-dir: must be a directory path, got an empty string",
+            ["--run-dir", ""],
+            "argument --run-dir/--checkpoint-dir: must be a directory path, got an empty string",
         ),
-        (["--resume"], "argument --resume: needs --checkpoint-dir DIR, the directory of the run"),
+        (["--resume"], "argument --resume: needs --run-dir DIR, the folder of the run"),
+        (["--noise", "-1"], "argument --noise: must be a number >= 0, got '-1'"),
+        (["--noise", "inf"], "argument --noise: must be a number >= 0, got 'inf'"),
+        (
+            ["--checkpoint-every", "0"],
+            "argument --checkpoint-every: must be a positive integer, got '0'",
+        ),
+        (["--workers", "-1"], "argument --workers: must be an integer >= 0, got '-1'"),
+        (["--workers", "two"], "argument --workers: must be an integer >= 0, got 'two'"),
+        (
+            ["--precision", "fp8"],
+            "argument --precision: must be 32, bf16 or fp16, got 'fp8'",
+        ),
+        (
+            ["--device", "cpu", "--precision", "fp16"],
+            "argument --precision: fp16 needs a CUDA device (its gradients are scaled by "
+            "torch.amp.GradScaler), and this run uses cpu; on the CPU use bf16",
+        ),
     ],
 )
-def test_bad_flags(train_module, capsys, argv: list[str], message: str) -> None:
+def test_bad_flags(
+    train_module, capsys, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, argv, message
+) -> None:
+    monkeypatch.chdir(tmp_path)
     assert usage_error(train_module, capsys, *argv) == message
+    assert list(tmp_path.iterdir()) == []  # no run folder for a bad command line
+
+
+def test_tensorboard_without_the_package(
+    train_module, capsys, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # what an uninstalled one raises
+    assert usage_error(train_module, capsys, "--device", "cpu", "--tensorboard") == (
+        "argument --tensorboard: the tensorboard package is not installed (pip install tensorboard)"
+    )
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_default_run_folder_is_new_for_each_run(train_module, monkeypatch, tmp_path) -> None:
+    monkeypatch.chdir(tmp_path)
+    now = train_module.datetime(2026, 12, 1, 9, 30, 5)
+    assert train_module.default_run_dir(now) == Path("runs/2026-12-01_09-30-05")
+    Path("runs/2026-12-01_09-30-05").mkdir(parents=True)
+    assert train_module.default_run_dir(now) == Path("runs/2026-12-01_09-30-05-2")
+    Path("runs/2026-12-01_09-30-05-2").mkdir()
+    assert train_module.default_run_dir(now) == Path("runs/2026-12-01_09-30-05-3")
 
 
 def test_cuda_device_without_gpu(train_module, capsys) -> None:
@@ -273,8 +405,8 @@ def test_bad_checkpoint_directories(
     train_module, capsys, tmp_path: Path, finished_run: Path
 ) -> None:
     missing = tmp_path / "missing"
-    assert usage_error(train_module, capsys, "--resume", "--checkpoint-dir", str(missing)) == (
-        f"argument --checkpoint-dir: {missing} does not exist (nothing to resume)"
+    assert usage_error(train_module, capsys, "--resume", "--run-dir", str(missing)) == (
+        f"argument --run-dir: {missing} does not exist (nothing to resume)"
     )
     assert not missing.exists()
     empty = tmp_path / "empty"
@@ -283,19 +415,19 @@ def test_bad_checkpoint_directories(
         f"argument --resume: no checkpoint in {empty} (latest.pt is missing)"
     )
     before = (finished_run / "latest.pt").read_bytes()
-    assert usage_error(train_module, capsys, "--checkpoint-dir", str(finished_run)) == (
-        f"argument --checkpoint-dir: {finished_run} already holds a run (latest.pt): pass "
-        "--resume to continue it, or choose another directory"
+    assert usage_error(train_module, capsys, "--run-dir", str(finished_run)) == (
+        f"argument --run-dir: {finished_run} already holds a run (latest.pt): pass "
+        "--resume to continue it, or choose another folder"
     )
     assert (finished_run / "latest.pt").read_bytes() == before
     a_file = tmp_path / "a-file"
     a_file.write_text("")
-    message = usage_error(train_module, capsys, "--checkpoint-dir", str(a_file / "sub"))
-    assert message.startswith(f"argument --checkpoint-dir: cannot create {a_file / 'sub'}: ")
+    message = usage_error(train_module, capsys, "--run-dir", str(a_file / "sub"))
+    assert message.startswith(f"argument --run-dir: cannot create {a_file / 'sub'}: ")
 
 
 def resume(directory: Path) -> tuple[str, ...]:
-    return (*SMALL, "--resume", "--checkpoint-dir", str(directory))
+    return (*SMALL, "--resume", "--run-dir", str(directory))
 
 
 def test_corrupt_checkpoint(train_module, capsys, finished_run: Path) -> None:
@@ -322,7 +454,7 @@ def test_checkpoint_is_loaded_as_data(
         def __reduce__(self):
             return (Path.touch, (marker,))
 
-    torch.save({"format": 1, "payload": Payload()}, finished_run / "latest.pt")
+    torch.save({"format": 2, "payload": Payload()}, finished_run / "latest.pt")
     message = usage_error(train_module, capsys, *resume(finished_run))
     assert "is not a readable checkpoint" in message
     assert not marker.exists()
@@ -333,7 +465,7 @@ def test_resume_with_other_data_is_refused(train_module, capsys, finished_run: P
     assert usage_error(train_module, capsys, *argv) == (
         f"argument --samples: {finished_run / 'latest.pt'} was trained with --samples 1024, "
         "this run has 2048, which makes another data set; use the same value, or a new "
-        "--checkpoint-dir"
+        "--run-dir"
     )
 
 
@@ -355,6 +487,37 @@ def test_resume_with_another_schedule_warns(default_project: Path, finished_run:
     saved = checkpoint(finished_run)
     assert saved["optimizer"]["param_groups"][0]["lr"] == 0.01
     assert saved["run"]["batch_size"] == 64
+
+
+def test_running_mean_resumed_from_its_state_ends_with_the_same_bits(train_module) -> None:
+    """Across a fold of the partial sums (every 1,024 steps) and an interruption between."""
+    torch.manual_seed(0)
+    losses = torch.rand(2500) * 3
+    sizes = [64] * 2499 + [17]
+    device = torch.device("cpu")
+    whole = train_module.RunningMean(device)
+    for loss, size in zip(losses, sizes, strict=True):
+        whole.add(loss, size)
+    first = train_module.RunningMean(device)
+    for loss, size in zip(losses[:1500], sizes[:1500], strict=True):
+        first.add(loss, size)
+    state = first.state()
+    assert state["partials"].shape == (1,)
+    assert state["losses"].shape == (1500 - 1024,)
+    state = torch.load(io.BytesIO(save_bytes(state)), weights_only=True)  # as in a checkpoint
+    second = train_module.RunningMean(device, state)
+    for loss, size in zip(losses[1500:], sizes[1500:], strict=True):
+        second.add(loss, size)
+    assert second.count == whole.count == 64 * 2499 + 17
+    assert torch.equal(second.total(), whole.total())
+    expected = (losses.double() * torch.tensor(sizes, dtype=torch.float64)).sum() / whole.count
+    assert whole.value() == pytest.approx(expected.item(), rel=1e-12)
+
+
+def save_bytes(value) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
 
 
 def test_synthetic_data_makes_dynamic_net_skip_its_block_for_some_batches(train_module) -> None:
@@ -406,17 +569,20 @@ def test_progress_bar(default_project: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert finished.endswith("\x1b[K\n")
 
 
-def torchrun(project: Path, *args: str) -> subprocess.CompletedProcess[str]:
+def torchrun(project: Path, *args: str, path: tuple[Path, ...] = (), **variables: str):
     """``torchrun --standalone`` with 2 CPU processes talking gloo over the loopback device."""
-    environ = module_environment(project, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
+    environ = module_environment(
+        project, path=path, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", **variables
+    )
     command = ("torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", TRAIN)
     return run_module(project, *command, *args, env=environ)
 
 
 def test_torchrun_two_processes_on_cpu(default_project: Path, tmp_path: Path) -> None:
-    args = ("--device", "cpu", "--samples", "512", "--batch-size", "32")
+    """Two processes, and the same run with rank 0 killed mid-epoch 2 and resumed."""
+    args = ("--device", "cpu", "--samples", "512", "--batch-size", "32", "--epochs", "2")
     whole, split = tmp_path / "whole", tmp_path / "split"
-    result = torchrun(default_project, *args, "--epochs", "2", "--checkpoint-dir", str(whole))
+    result = torchrun(default_project, *args, "--run-dir", str(whole))
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("trained 2 epochs on 2 processes on cpu (gloo): loss ")
     progress = [line for line in result.stderr.splitlines() if line.startswith("epoch ")]
@@ -424,15 +590,63 @@ def test_torchrun_two_processes_on_cpu(default_project: Path, tmp_path: Path) ->
     assert "8/8" in progress[0]  # 512 samples in 2 shares of 256: 8 steps of 32
     saved = checkpoint(whole)
     assert saved["run"]["world_size"] == 2
-    assert len(saved["rng"]) == 2
+    assert len(saved["processes"]) == 2
+    assert [row["epoch"] for row in metrics(whole)] == ["1", "2"]
 
-    first = torchrun(default_project, *args, "--epochs", "1", "--checkpoint-dir", str(split))
-    assert first.returncode == 0, first.stderr
-    second = torchrun(
-        default_project, *args, "--epochs", "2", "--checkpoint-dir", str(split), "--resume"
-    )
-    assert second.returncode == 0, second.stderr
+    # Checkpoints at steps 3, 6, 8 (epoch 1's end), 9: killed at step 1 of epoch 2.
+    killer = plant(tmp_path / "plant", KILL_AFTER_CHECKPOINT)
+    every = ("--checkpoint-every", "3", "--run-dir", str(split))
+    killed = torchrun(default_project, *args, *every, path=(killer,), KILL_AT_CHECKPOINT="4")
+    assert killed.returncode != 0
+    assert (checkpoint(split)["epoch"], checkpoint(split)["step"]) == (1, 1)
+    resumed = torchrun(default_project, *args, *every, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
     assert_bitwise_equal(checkpoint(split), saved)
+    assert reproducible(metrics(split)) == reproducible(metrics(whole))
+
+
+def test_tensorboard_events_hold_the_metrics(default_project: Path, tmp_path: Path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = train(
+        default_project, *SMALL, "--epochs", "2", "--tensorboard", "--run-dir", str(tmp_path)
+    )
+    assert result.returncode == 0, result.stderr
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert {"train/loss", "train/lr", "train/samples_per_s", "train/seconds", "train/epoch"} <= set(
+        events.Tags()["scalars"]
+    )
+    losses = [(event.step, event.value) for event in events.Scalars("train/loss")]
+    rows = metrics(tmp_path)
+    assert losses == [(int(row["step"]), pytest.approx(float(row["loss"]))) for row in rows]
+
+
+def test_fp16_gradient_scaler_state_is_checkpointed_and_resumed(
+    train_module, tmp_path: Path
+) -> None:
+    """fp16 with torch.amp.GradScaler, in-process on the CPU: the command allows fp16 on
+    CUDA only, but GradScaler("cpu") has the same state (scale, growth tracker) and the
+    same step logic, and that state is what a checkpoint must carry across a resume."""
+    device = torch.device("cpu")
+    settings = dict(device="cpu", samples=512, batch_size=32, precision="fp16")
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    for folder in (whole, split):
+        folder.mkdir()
+    launch = train_module.Launch()
+    config = train_module.Config(**settings, epochs=2, run_dir=whole)
+    train_module.train(config, launch, device, log=io.StringIO())
+    first = train_module.Config(**settings, epochs=1, run_dir=split, checkpoint_every=5)
+    train_module.train(first, launch, device, log=io.StringIO())
+    saved = checkpoint(split)
+    assert saved["scaler"]["scale"] == 65536.0  # no overflow here: the initial scale
+    assert saved["scaler"]["_growth_tracker"] == 16  # the steps since the last change
+    resume = train_module.Config(**settings, epochs=2, run_dir=split, resume=True)
+    resumed = train_module.load_resumable(resume, launch, device, io.StringIO())
+    train_module.train(resume, launch, device, resumed, log=io.StringIO())
+    assert checkpoint(split)["scaler"] == checkpoint(whole)["scaler"]
+    assert checkpoint(whole)["scaler"]["_growth_tracker"] == 32
+    assert_bitwise_equal(checkpoint(split), checkpoint(whole))
 
 
 @pytest.mark.slow
@@ -457,7 +671,9 @@ def test_installed_commands(default_project: Path, project_env, tmp_path: Path) 
     )
     assert trained.returncode == 0, trained.stderr
     assert trained.stdout.startswith("trained 1 epochs on cpu")
-    assert os.listdir(work) == []  # no checkpoint unless asked for
+    (run,) = (work / "runs").iterdir()  # runs/<date-time> by default
+    assert trained.stdout.endswith(f", run {run.relative_to(work)}\n")
+    assert sorted(path.name for path in run.iterdir()) == ["latest.pt", "metrics.csv"]
     wrong = subprocess.run(
         [bin_dir / "dynamic-model-train", "--epochs", "0"],
         env=environ,

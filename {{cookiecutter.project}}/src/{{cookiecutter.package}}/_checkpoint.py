@@ -1,7 +1,8 @@
 """Training checkpoints that a kill at any moment cannot corrupt.
 
 A checkpoint is written to a temporary file in the same directory, flushed to
-disk, and only then renamed over the old one: a rename within one file system is
+disk, and only then renamed over the old one (`BackgroundSaver` does the flush and
+the rename in a thread, while training goes on): a rename within one file system is
 atomic, so ``latest.pt`` is always either the previous complete checkpoint or the
 new complete one. A kill during the write leaves at most a stray temporary file,
 which `remove_incomplete` deletes on the next start.
@@ -13,12 +14,13 @@ import contextlib
 import os
 import random
 import tempfile
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
-FORMAT = 1
+FORMAT = 2
 LATEST = "latest.pt"
 
 
@@ -30,26 +32,79 @@ def _temporary_prefix(path: Path) -> str:
     return f".{path.name}."
 
 
-def save_atomic(state: dict[str, Any], path: Path) -> None:
-    """Write ``state`` to ``path`` so that ``path`` only ever holds a complete checkpoint."""
-    directory = path.parent
-    fd, temporary = tempfile.mkstemp(prefix=_temporary_prefix(path), suffix=".tmp", dir=directory)
+def _write_temporary(state: dict[str, Any], path: Path) -> tuple[BinaryIO, str]:
+    """``state`` written into a new temporary file next to ``path``; the file is left open."""
+    fd, temporary = tempfile.mkstemp(prefix=_temporary_prefix(path), suffix=".tmp", dir=path.parent)
+    file = os.fdopen(fd, "wb")
     try:
-        with os.fdopen(fd, "wb") as file:
-            torch.save(state, file)
-            file.flush()
-            os.fsync(file.fileno())
+        torch.save(state, file)
+        file.flush()
+    except BaseException:
+        _discard(file, temporary)
+        raise
+    return file, temporary
+
+
+def _discard(file: BinaryIO, temporary: str) -> None:
+    file.close()
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(temporary)
+
+
+def _commit(file: BinaryIO, temporary: str, path: Path) -> None:
+    """Flush ``temporary`` to disk, then rename it over ``path``."""
+    try:
+        os.fsync(file.fileno())
+        file.close()
         os.replace(temporary, path)
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temporary)
+        _discard(file, temporary)
         raise
     # Without this the rename itself may not survive a power cut.
-    directory_fd = os.open(directory, os.O_RDONLY)
+    directory_fd = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(directory_fd)
     finally:
         os.close(directory_fd)
+
+
+class BackgroundSaver:
+    """Saves checkpoints so that ``path`` only ever holds a complete one; the wait for the
+    disk (``fsync``, then the rename) runs in a thread.
+
+    ``torch.save`` happens in the caller's thread, so the state is captured before
+    training changes it; only the flush to disk, which takes milliseconds and holds
+    no lock that training needs, overlaps the next steps. Until it is done the old
+    ``latest.pt`` stays in place. The next `save` (and `wait`) waits for the previous
+    one and raises its error, if any.
+    """
+
+    def __init__(self) -> None:
+        self._pending: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save(self, state: dict[str, Any], path: Path) -> None:
+        self.wait()
+        file, temporary = _write_temporary(state, path)
+        self._pending = threading.Thread(
+            target=self._commit, args=(file, temporary, path), name="checkpoint-fsync"
+        )
+        self._pending.start()
+
+    def _commit(self, file: BinaryIO, temporary: str, path: Path) -> None:
+        try:
+            _commit(file, temporary, path)
+        except BaseException as error:
+            self._error = error
+
+    def wait(self) -> None:
+        """Return once the last checkpoint is on disk under its name."""
+        if self._pending is not None:
+            self._pending.join()
+            self._pending = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
 
 
 def remove_incomplete(path: Path) -> list[Path]:

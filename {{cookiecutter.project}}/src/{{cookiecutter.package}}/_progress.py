@@ -34,9 +34,11 @@ class Progress:
         self._started = 0.0
         self._drawn = 0.0
 
-    def start_epoch(self, epoch: int) -> None:
+    def start_epoch(self, epoch: int, elapsed: float = 0.0) -> None:
+        """Start epoch ``epoch``, of which ``elapsed`` seconds (before a resume) are done."""
         self._epoch = epoch
-        self._started = self._drawn = time.perf_counter()
+        self._drawn = time.perf_counter()
+        self._started = self._drawn - elapsed
 
     def update(self, step: int, samples: int, running_loss: Callable[[], float]) -> None:
         """Redraw after ``step`` steps and ``samples`` samples of this epoch, at most every

@@ -1,0 +1,129 @@
+"""The training data as a ``DataLoader``: batches that can be resumed at any step.
+
+`EpochBatches` is the sampler: each epoch's order comes from ``seed`` and the epoch
+number alone (`DistributedSampler`, which also shares it out between processes),
+and it starts at a chosen step of that epoch. A checkpoint stores that position
+(epoch, step); a resumed run skips the steps already trained without drawing any
+random number, so the batches that follow are the same.
+
+It yields `BatchKey` s (which samples, and where in the run they are), never data;
+`SyntheticBatches` turns a key into tensors, in the main process or in a worker.
+Randomness of a batch (here, the input noise) comes from a generator seeded by the
+key, not from the worker's global generators: which worker loads a batch, and how
+many batches that worker has loaded before (persistent workers keep their state
+across epochs, a resumed run starts new ones), then changes nothing. The workers'
+global generators are still seeded (`seed_worker`), for code that uses them, but
+they are not in a checkpoint: randomness from them repeats from a run's start, not
+across a resume.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+__all__ = ["BatchKey", "EpochBatches", "SyntheticBatches", "loader", "seed_worker"]
+
+
+@dataclass(frozen=True)
+class BatchKey:
+    """One batch: its samples' indices, and its place in the run (epoch, step, process)."""
+
+    epoch: int
+    step: int
+    rank: int
+    indices: torch.Tensor
+
+    def seed(self, run_seed: int) -> int:
+        """A seed for this batch's own generator: the same batch gets the same numbers."""
+        return random.Random(f"{run_seed}/{self.epoch}/{self.rank}/{self.step}").getrandbits(63)
+
+
+class EpochBatches(Sampler[BatchKey]):
+    """This process's batches of epoch `epoch`, from step `start` on (see `set_position`)."""
+
+    def __init__(
+        self, samples: int, batch_size: int, *, seed: int, rank: int = 0, world_size: int = 1
+    ) -> None:
+        self._order = DistributedSampler(
+            range(samples),  # only its length is used
+            num_replicas=world_size,
+            rank=rank,
+            shuffle=True,
+            seed=seed,
+        )
+        self.batch_size = batch_size
+        self.rank = rank
+        self.epoch = 0
+        self.start = 0
+
+    def set_position(self, epoch: int, start: int = 0) -> None:
+        """Make the next iteration yield epoch ``epoch``'s batches from step ``start`` on."""
+        self.epoch, self.start = epoch, start
+
+    def __len__(self) -> int:
+        """Steps in a whole epoch."""
+        return math.ceil(len(self._order) / self.batch_size)
+
+    def __iter__(self) -> Iterator[BatchKey]:
+        self._order.set_epoch(self.epoch)
+        order = torch.tensor(list(self._order))
+        for step, indices in enumerate(order.split(self.batch_size)):
+            if step >= self.start:
+                yield BatchKey(self.epoch, step, self.rank, indices)
+
+
+class SyntheticBatches(Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Inputs (plus Gaussian noise of std ``noise``, drawn per batch) and labels of a key."""
+
+    def __init__(self, inputs: torch.Tensor, labels: torch.Tensor, *, noise: float, seed: int):
+        self.inputs, self.labels = inputs, labels
+        self.noise, self.seed = noise, seed
+
+    def __len__(self) -> int:
+        return len(self.inputs)
+
+    def __getitem__(self, key: BatchKey) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = self.inputs[key.indices]
+        if self.noise:
+            generator = torch.Generator().manual_seed(key.seed(self.seed))
+            inputs = inputs + self.noise * torch.randn(inputs.shape, generator=generator)
+        return inputs, self.labels[key.indices]
+
+
+def seed_worker(worker_id: int) -> None:
+    """``worker_init_fn``: seed Python's and NumPy's generators like torch's (as PyTorch's
+    reproducibility notes recommend); torch's is already the loader's base seed + worker id."""
+    seed = torch.initial_seed() % 2**32
+    random.seed(seed)
+    try:
+        import numpy
+    except ImportError:
+        return
+    numpy.random.seed(seed)
+
+
+def loader(
+    dataset: SyntheticBatches, batches: EpochBatches, *, workers: int, seed: int, pin_memory: bool
+) -> DataLoader:
+    """A ``DataLoader`` over ``batches``: each key is one batch, so no collation per sample.
+
+    With ``workers`` > 0 the workers persist from epoch to epoch; their seeds come
+    from a generator seeded by ``seed``, never from the global one (which the
+    DataLoader would otherwise draw from at every epoch).
+    """
+    return DataLoader(
+        dataset,
+        sampler=batches,
+        batch_size=None,
+        num_workers=workers,
+        pin_memory=pin_memory,
+        persistent_workers=workers > 0,
+        worker_init_fn=seed_worker if workers > 0 else None,
+        generator=torch.Generator().manual_seed(seed),
+    )
