@@ -67,6 +67,8 @@ _WRAPPERS = ("Encountered graph break when attempting to trace", "Failed to hand
 _WHOLE_FUNCTION_EAGER = "Failed to handle graph break gracefully"
 # Reasons of older torch versions, which had no graph break types yet.
 _OLD_REASONS = {"generic_jump": "Data-dependent branching"}
+# "(e.g. `if my_tensor.sum() > 0:`)": an example in parentheses, code in backticks.
+_PARENTHESES = re.compile(r"\s*\((?:[^()`]|`[^`]*`)*\)")
 _GUARD_ID = re.compile(r"^(?P<id>\d+/\d+): (?P<guard>.*)$", re.S)
 _STACK_FILE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
 _RESUME = re.compile(r"^torch_dynamo_resume_in_(?P<function>.+)_at_(?P<line>\d+)$")
@@ -230,7 +232,8 @@ def refuse_unknown_keywords(check: str, unknown: dict[str, Any], options: Sequen
         names = ", ".join(sorted(unknown))
         raise TypeError(
             f"{check}() got unknown keyword argument(s) {names}: keyword arguments of the "
-            f"forward go in forward_kwargs={{...}}; the options are {', '.join(options)}"
+            "forward go in forward_kwargs=dict(name=value, ...); the options are "
+            + ", ".join(options)
         )
 
 
@@ -238,10 +241,10 @@ def _validate(backend, mode, dynamic, max_graph_breaks, max_recompiles, rtol, at
     if isinstance(backend, str):
         known = torch._dynamo.list_backends(exclude_tags=())
         if backend not in known:
+            usual = sorted(name for name in known if name.islower() and name.count("_") <= 1)
             raise ValueError(
                 f"compile_check: backend={backend!r} is not a torch.compile backend; "
-                "expected a callable or a registered name such as "
-                f"{', '.join(sorted(torch._dynamo.list_backends()))}"
+                f"expected a callable or a registered name such as {', '.join(usual)}"
             )
     elif not callable(backend):
         raise TypeError(f"compile_check: backend must be a name or a callable, got {backend!r}")
@@ -340,7 +343,7 @@ def _graph_breaks(
             ),
             "",
         )
-        explanation = re.sub(r"\s*\([^)]*\)", "", explanation).strip()
+        explanation = _PARENTHESES.sub("", explanation).strip()
         words = f"{kind}: {explanation}" if explanation else kind
         location = f"{control_flow._display_path(filename)}:{line}"
         key = (location, kind)
