@@ -1,8 +1,10 @@
 """The compile_check and export_check fixtures in real pytest sessions: what passes and what fails.
 
-The sessions run in this process (torch and dynamo are imported here first, so they
-share them), with backend="aot_eager" (dynamo and AOTAutograd without code
-generation) except one small test on inductor, which compiles C++ on the CPU.
+Each session runs in a fresh process: an in-process pytester run drops the modules it
+imported when it ends, and dynamo cannot be imported a second time in one process
+(it registers torch libraries). The sessions use backend="aot_eager" (dynamo and
+AOTAutograd without code generation) except one small test on inductor, which
+compiles C++ on the CPU.
 """
 
 from __future__ import annotations
@@ -331,7 +333,7 @@ EXPECTED_FAILURES = {
 
 def run_session(pytester: pytest.Pytester, source: str, *args: str) -> pytest.RunResult:
     pytester.makepyfile(helpers=HELPERS, test_session=source.format(package=DEFAULT_PACKAGE))
-    return pytester.runpytest("-p", PLUGIN_MODULE, "-p", "no:cacheprovider", *args)
+    return pytester.runpytest_subprocess("-p", PLUGIN_MODULE, "-p", "no:cacheprovider", *args)
 
 
 def test_models_compile_and_export_as_expected_and_report(plugin_pytester):

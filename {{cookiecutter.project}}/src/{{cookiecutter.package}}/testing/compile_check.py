@@ -68,7 +68,7 @@ _WHOLE_FUNCTION_EAGER = "Failed to handle graph break gracefully"
 # Reasons of older torch versions, which had no graph break types yet.
 _OLD_REASONS = {"generic_jump": "Data-dependent branching"}
 # "(e.g. `if my_tensor.sum() > 0:`)": an example in parentheses, code in backticks.
-_PARENTHESES = re.compile(r"\s*\((?:[^()`]|`[^`]*`)*\)")
+_PARENTHESES = re.compile(r"\s*\((?:[^()`]|`[^`]*`)+\)")
 _GUARD_ID = re.compile(r"^(?P<id>\d+/\d+): (?P<guard>.*)$", re.S)
 _STACK_FILE = re.compile(r'File "(?P<file>[^"]+)", line (?P<line>\d+)')
 _RESUME = re.compile(r"^torch_dynamo_resume_in_(?P<function>.+)_at_(?P<line>\d+)$")
@@ -343,7 +343,10 @@ def _graph_breaks(
             ),
             "",
         )
-        explanation = _PARENTHESES.sub("", explanation).strip()
+        sentences = _PARENTHESES.sub("", explanation).strip().split(". ")
+        if kind.lower() in sentences[0].lower():  # "Detected data-dependent branching"
+            sentences = sentences[1:]
+        explanation = ". ".join(sentences)
         words = f"{kind}: {explanation}" if explanation else kind
         location = f"{control_flow._display_path(filename)}:{line}"
         key = (location, kind)

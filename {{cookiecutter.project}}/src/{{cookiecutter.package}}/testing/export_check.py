@@ -438,7 +438,8 @@ def _masked_loop_rewrite(node: ast.If, loop: ast.For | ast.While) -> str:
     lines = [
         "The loop stops on a tensor's value. Run it a fixed number of times and stop "
         "updating with a mask (same outputs and gradients; every step is computed):",
-        "    active = torch.ones((), dtype=torch.bool)",
+        "    active = torch.ones((), dtype=torch.bool"
+        + (f", device={updates[0][0]}.device)" if updates else ")"),
         f"    {header}",
         f"        active = active & ~({condition})",
     ]
