@@ -17,7 +17,7 @@ from conftest import TEMPLATE_DIR, copy_template
 from test_devcontainer import tool
 
 GPU_CHECKS = TEMPLATE_DIR / "benchmarks" / "gpu_checks"
-STEPS = ["environment", "plugin", "determinism", "gradcheck", "commands"]
+STEPS = ["environment", "plugin", "determinism", "gradcheck", "commands", "compile"]
 EIGHT_MINUTES = 480
 ROW = re.compile(r"^\| (?P<check>.+?) \| (?P<result>.+?) \| (?P<seconds>[\d.]+) \|$", re.MULTILINE)
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU check of the template, on a machine with an NVIDIA GPU, in under 8 minutes
 # on one H200: one step per script (environment, plugin, determinism, gradcheck,
-# commands: see each *_gpu.sh), each under a time limit; the limits add up to 470 s.
+# commands, compile: see each *_gpu.sh), each under a time limit; the limits add up to 470 s.
 #
 #   bash benchmarks/gpu_checks/all.sh [--dry-run] [STEP...]
 #
@@ -21,7 +21,7 @@
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 # step:seconds, in the order they run.
-all_steps=(environment:20 plugin:110 determinism:100 gradcheck:60 commands:180)
+all_steps=(environment:20 plugin:100 determinism:80 gradcheck:40 commands:160 compile:70)
 
 usage() {
     sed -n '2,/^set /{/^set /d;s/^# \{0,1\}//;p}' "$0"

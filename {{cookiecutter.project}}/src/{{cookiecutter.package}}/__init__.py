@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from .models import (
+        CondGatedNet,
         DynamicNet,
         MeanGatedNet,
         PerSampleNet,
@@ -20,6 +21,7 @@ if TYPE_CHECKING:
     )
 
 __all__ = [
+    "CondGatedNet",
     "DynamicNet",
     "MeanGatedNet",
     "PerSampleNet",

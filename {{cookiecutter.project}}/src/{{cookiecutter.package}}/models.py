@@ -214,3 +214,19 @@ class CheckpointedNet(nn.Module):
         for _ in range(self.steps):
             h = h + checkpoint(self.block, h, use_reentrant=False)
         return h
+
+
+class CondGatedNet(MeanGatedNet):
+    """``MeanGatedNet`` with its branch written as ``torch.cond``: it exports.
+
+    ``torch.export`` records one graph for every input, so it refuses the Python
+    ``if h.mean() > 0`` of ``MeanGatedNet`` (the branch depends on the data).
+    ``torch.cond`` records both branches in the graph and picks one when the program
+    runs, so this model exports, compiles without a graph break, and computes what
+    ``MeanGatedNet`` computes, outputs and gradients, on both sides of the branch.
+    Both branches take the same tensors and return tensors of the same shape and dtype.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.linear(x)
+        return torch.cond(h.mean() > 0, torch.relu, torch.tanh, (h,))

@@ -21,6 +21,10 @@ by side each use their own copy.
   the tests made, with what outcomes (:mod:`.decisions`); ``--decisions-strict``
   fails the session when a branch saw one outcome only.
 - The fixtures ``gpu``, ``autograd_determinism`` and ``gradcheck``.
+- The fixtures ``compile_check`` (eager against ``torch.compile``, forward and
+  backward, with every graph break and recompilation traced to the user's line) and
+  ``export_check`` (``torch.export`` against eager, and the rewrite that makes a
+  data-dependent model exportable).
 
 The hooks are thin: the decisions live in :mod:`..gpus` and :mod:`.global_state`.
 Loading this module does not import torch.
@@ -713,5 +717,55 @@ def gradcheck(request: pytest.FixtureRequest) -> Callable[..., Any]:
         if request.config.get_verbosity() > 0:
             _write_live(request.config, str(result))
         return result
+
+    return checked
+
+
+@pytest.fixture
+def compile_check(request: pytest.FixtureRequest) -> Callable[..., Any]:
+    """``compile_check(model_or_fn, /, *inputs, forward_kwargs=None, backend="inductor", ...)``.
+
+    Runs forward and backward eagerly and under ``torch.compile`` from the same
+    parameters, buffers, RNG states and inputs (each tuple of ``inputs_list`` too) and
+    compares outputs and gradients within tolerances chosen by dtype. A failure names
+    the output or gradient, the numbers and the first differing element; more graph
+    breaks or recompilations than ``max_graph_breaks``/``max_recompiles`` fail listing
+    each with its line. Returns the graph breaks and recompilations, each with the
+    user's line and, for a break, the data-dependent decision made there. With ``-v``
+    each check writes its report. See :func:`.compile_check.compile_check`.
+    """
+    from .compile_check import compile_check as check
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        result = check(*args, **kwargs)
+        request.node.add_report_section("call", "compile_check", str(result))
+        if request.config.get_verbosity() > 0:
+            _write_live(request.config, str(result))
+        return result
+
+    return checked
+
+
+@pytest.fixture
+def export_check(request: pytest.FixtureRequest) -> Callable[..., Any]:
+    """``export_check(model_or_fn, /, *inputs, forward_kwargs=None, strict=False, ...)``.
+
+    Exports with ``torch.export.export``, runs the ``ExportedProgram`` against eager on
+    the inputs (and each tuple of ``inputs_list``) and returns it. When export fails on
+    data-dependent control flow, the failure names the user's line and the decision,
+    and shows the rewrite that exports (``torch.cond``, ``torch.where``, a loop of fixed
+    length with a mask, ``torch.while_loop``). See :func:`.export_check.export_check`.
+    """
+    from .export_check import export_check as check
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        program = check(*args, **kwargs)
+        summary = f"export_check: exported {len(program.graph.nodes)} graph nodes"
+        request.node.add_report_section("call", "export_check", summary)
+        if request.config.get_verbosity() > 0:
+            _write_live(request.config, summary)
+        return program
 
     return checked

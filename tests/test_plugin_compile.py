@@ -1,0 +1,393 @@
+"""The compile_check and export_check fixtures in real pytest sessions: what passes and what fails.
+
+Each session runs in a fresh process: an in-process pytester run drops the modules it
+imported when it ends, and dynamo cannot be imported a second time in one process
+(it registers torch libraries). The sessions use backend="aot_eager" (dynamo and
+AOTAutograd without code generation) except one small test on inductor, which
+compiles C++ on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import DEFAULT_PACKAGE, PLUGIN_MODULE, TEMPLATE_DIR
+from test_plugin_gradcheck import failure_reports
+
+HELPERS = f'''
+import torch
+from torch import nn
+from {DEFAULT_PACKAGE}.models import CondGatedNet, MeanGatedNet
+
+
+def seeded(factory, seed=0):
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        return factory()
+
+
+def scaled_by_its_maximum(x):
+    scale = x.abs().max().item()
+    return x * scale
+
+
+class StepsFromData(nn.Module):
+    """Halves its input as many times as the input's sum says: .item() sets a loop count."""
+
+    def forward(self, x):
+        steps = int(x.abs().sum().item())
+        for _ in range(steps):
+            x = x * 0.5
+        return x
+
+
+def perturbing_backend(gm, example_inputs):
+    """A backend that runs the graph and scales every floating-point output by 1.001."""
+
+    def run(*args):
+        outputs = gm(*args)
+        return [o * 1.001 if isinstance(o, torch.Tensor) and o.is_floating_point() else o
+                for o in outputs]
+
+    return run
+
+
+def both_sides(model):
+    direction = model.linear.weight.sum(dim=0).sign().expand(4, -1)
+    return [(10.0 * direction,), (-10.0 * direction,)]
+
+
+def state_of(module):
+    return {{name: t.detach().clone() for name, t in module.state_dict().items()}}
+'''
+
+PASSING = """
+import logging
+
+import pytest
+import torch
+from torch import nn
+from {package} import (
+    CondGatedNet, DynamicNet, MeanGatedNet, PerSampleNet, RecursiveNet, forward_with_condition,
+)
+from helpers import *
+
+
+@pytest.mark.parametrize("factory, shape, lines", [
+    (lambda: MeanGatedNet(), (4, 8), ["if h.mean() > 0:"]),
+    (lambda: PerSampleNet(), (4, 8),
+     ["rows = [torch.relu(row) if row.sum() > 0 else torch.tanh(row) for row in h]"]),
+    (lambda: DynamicNet(in_features=8, hidden=8), (4, 8), ["if h.abs().mean() < self.tolerance:"]),
+    (lambda: RecursiveNet(4), (2, 5, 4), []),
+    (lambda: CondGatedNet(), (4, 8), []),
+], ids=["branch", "per-sample", "loop", "recursion", "cond"])
+def test_template_models(compile_check, factory, shape, lines):
+    torch.manual_seed(0)
+    model = factory()
+    x = torch.randn(shape, requires_grad=True)
+    before = state_of(model)
+    result = compile_check(model, x, backend="aot_eager", max_graph_breaks=len(lines))
+    assert [b.source for b in result.graph_breaks] == lines
+    assert all(b.decision == "Tensor.__bool__" for b in result.graph_breaks)
+    assert all(b.location.startswith("{package}/models.py:") or "models.py:" in b.location
+               for b in result.graph_breaks)
+    assert "grad of input 0" in result.compared
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert x.grad is None and result.recompiles == ()
+
+
+def test_loop_break_makes_the_whole_forward_eager(compile_check):
+    result = compile_check(DynamicNet(), torch.randn(4, 16), backend="aot_eager")
+    (graph_break,) = result.graph_breaks
+    assert graph_break.whole_function_eager
+    assert graph_break.reason.startswith("Data-dependent branching")
+
+
+def test_recompile_on_a_data_dependent_python_number(compile_check):
+    torch.manual_seed(0)
+    inputs = [(torch.randn(3, requires_grad=True),) for _ in range(3)]
+    result = compile_check(scaled_by_its_maximum, inputs_list=inputs, backend="aot_eager")
+    (graph_break,) = result.graph_breaks
+    assert graph_break.decision == "Tensor.item"
+    assert graph_break.source == "scale = x.abs().max().item()"
+    assert len(result.recompiles) >= 1
+    first = result.recompiles[0]
+    assert first.source == "return x * scale"
+    assert "the Python number made from a tensor by Tensor.item at helpers.py:" in first.guard
+
+
+def test_shape_recompile_and_python_argument(compile_check):
+    result = compile_check(
+        RecursiveNet(4), inputs_list=[(torch.randn(2, 5, 4),), (torch.randn(2, 8, 4),)],
+        backend="aot_eager",
+    )
+    assert "input x has size 8 in dimension 1" in result.recompiles[0].guard
+    x = torch.randn(3, requires_grad=True)
+    result = compile_check(forward_with_condition, inputs_list=[(x, 0.5), (x, 1.5)],
+                           backend="aot_eager", max_recompiles=1)
+    assert "threshold was 0.5 when compiled" in result.recompiles[0].guard
+
+
+def test_dropout_batch_norm_and_kwargs_from_identical_states(compile_check):
+    model = seeded(lambda: nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.Dropout(0.5)))
+    x = torch.randn(5, 6)
+    before, rng = state_of(model), torch.get_rng_state()
+    result = compile_check(model, x, backend="aot_eager")
+    assert {{"buffer 1.running_mean after the run", "grad of 0.weight"}} <= set(result.compared)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(torch.get_rng_state(), rng)
+    result = compile_check(lambda x, *, scale: torch.tanh(x) * scale, x,
+                           forward_kwargs={{"scale": torch.tensor(2.0, requires_grad=True)}},
+                           backend="aot_eager")
+    assert "grad of input scale" in result.compared
+
+
+def test_dynamo_left_as_found(compile_check):
+    config = torch._dynamo.config.get_config_copy()
+    loggers = {{name: (logging.getLogger(name).level, logging.getLogger(name).propagate)
+               for name in logging.Logger.manager.loggerDict if name.endswith("__graph_breaks")}}
+    compile_check(MeanGatedNet(), torch.randn(4, 8), backend="aot_eager")
+    assert torch._dynamo.config.get_config_copy() == config
+    assert {{name: (logging.getLogger(name).level, logging.getLogger(name).propagate)
+            for name in loggers}} == loggers
+    assert not torch._dynamo.utils.guard_failures
+
+
+def test_cond_rewrite_exports_and_matches_eager_on_both_sides(export_check, compile_check):
+    gated = seeded(MeanGatedNet)
+    rewritten = CondGatedNet()
+    rewritten.load_state_dict(gated.state_dict())
+    sides = both_sides(gated)
+    with torch.no_grad():
+        assert [bool(gated.linear(x).mean() > 0) for (x,) in sides] == [True, False]
+    program = export_check(rewritten, inputs_list=sides)
+    assert isinstance(program, torch.export.ExportedProgram)
+    for (x,) in sides:
+        torch.testing.assert_close(program.module()(x), gated(x), rtol=0, atol=0)
+    compile_check(rewritten, inputs_list=sides, backend="aot_eager", max_graph_breaks=0)
+
+
+def test_export_of_a_plain_function(export_check):
+    program = export_check(lambda x, *, k: torch.sin(x) * k, torch.randn(3),
+                           forward_kwargs={{"k": 2.0}})
+    assert isinstance(program, torch.export.ExportedProgram)
+
+
+def test_inductor_on_a_small_function(compile_check):
+    x = torch.randn(16, requires_grad=True)
+    result = compile_check(lambda x: torch.tanh(x) * x.sigmoid(), x, backend="inductor")
+    assert result.backend == "inductor" and result.graph_breaks == ()
+"""
+
+FAILING = """
+import torch
+from {package} import DynamicNet, MeanGatedNet, PerSampleNet, forward_with_condition
+from helpers import *
+
+
+def test_perturbing_backend(compile_check):
+    compile_check(seeded(MeanGatedNet), torch.randn(4, 8), backend=perturbing_backend)
+
+
+def test_graph_break_budget(compile_check):
+    compile_check(MeanGatedNet(), torch.randn(4, 8), backend="aot_eager", max_graph_breaks=0)
+
+
+def test_recompile_budget(compile_check):
+    x = torch.randn(3, requires_grad=True)
+    compile_check(forward_with_condition, inputs_list=[(x, 0.5), (x, 1.5)], backend="aot_eager",
+                  max_recompiles=0)
+
+
+def test_export_of_a_branch(export_check):
+    export_check(MeanGatedNet(), torch.randn(4, 8))
+
+
+def test_export_of_a_branch_strict(export_check):
+    export_check(MeanGatedNet(), torch.randn(4, 8), strict=True)
+
+
+def test_export_of_a_per_sample_branch(export_check):
+    export_check(PerSampleNet(), torch.randn(4, 8))
+
+
+def test_export_of_a_data_dependent_loop(export_check):
+    export_check(DynamicNet(), torch.randn(4, 16))
+
+
+def test_export_of_item(export_check):
+    export_check(StepsFromData(), torch.randn(3) + 2)
+
+
+def test_exported_program_refuses_another_shape(export_check):
+    export_check(torch.nn.Linear(8, 2), inputs_list=[(torch.randn(4, 8),), (torch.randn(5, 8),)])
+
+
+def test_bad_backend(compile_check):
+    compile_check(torch.sin, torch.randn(3), backend="inductr")
+
+
+def test_inputs_list_of_tensors(compile_check):
+    compile_check(torch.sin, inputs_list=[torch.randn(3)], backend="aot_eager")
+
+
+def test_forward_keyword_as_option(compile_check):
+    compile_check(forward_with_condition, torch.randn(3), threshold=0.5, backend="aot_eager")
+
+
+def test_bad_budget(compile_check):
+    compile_check(torch.sin, torch.randn(3), backend="aot_eager", max_graph_breaks=-1)
+
+
+def test_export_unknown_keyword(export_check):
+    export_check(torch.sin, torch.randn(3), backend="aot_eager")
+"""
+
+COND_REWRITE = (
+    "E*return torch.cond(h.mean() > 0, lambda h: torch.relu(h), lambda h: torch.tanh(h), (h,*"
+)
+
+# For each failing test: the lines its report must hold, in this order (fnmatch
+# patterns in which "[" stands for itself).
+EXPECTED_FAILURES = {
+    "test_perturbing_backend": [
+        "E*CompileMismatch: torch.compile's result differs from eager's for input set 0 *",
+        "E*output: * of 32 elements differ beyond rtol=0.0001, atol=1e-05 for torch.float32;"
+        " largest absolute difference *, largest relative * (first at [0, 0]: eager *, "
+        "compiled *)",
+        "E*also differ: grad of linear.weight, grad of linear.bias",
+    ],
+    "test_graph_break_budget": [
+        "E*TooManyGraphBreaks: 1 graph breaks, more than max_graph_breaks=0:",
+        "E*graph break at *models.py:*: `if h.mean() > 0:`: Data-dependent branching*"
+        "(decision Tensor.__bool__)",
+    ],
+    "test_recompile_budget": [
+        "E*TooManyRecompiles: 1 recompilations, more than max_recompiles=0:",
+        "E*recompiled forward_with_condition at *models.py:*: `if x.mean() > threshold:`: the "
+        "Python value threshold was 0.5 when compiled and is not now*",
+    ],
+    "test_export_of_a_branch": [
+        "E*ExportBlocked: torch.export cannot export MeanGatedNet: its forward makes a "
+        "data-dependent decision at *models.py:*:",
+        "E*if h.mean() > 0:",
+        "E*decision in the eager run: Tensor.__bool__ -> * at *models.py:*",
+        "E*Rewrite the branch with torch.cond*",
+        COND_REWRITE,
+    ],
+    "test_export_of_a_branch_strict": [
+        "E*ExportBlocked: torch.export cannot export MeanGatedNet: *models.py:*:",
+        COND_REWRITE,
+    ],
+    "test_export_of_a_per_sample_branch": [
+        "E*ExportBlocked: torch.export cannot export PerSampleNet: *models.py:*:",
+        "E*rows = [torch.relu(row) if row.sum() > 0 else torch.tanh(row) for row in h]",
+        "E*elementwise choice*torch.where*",
+        "E*torch.where(row.sum() > 0, torch.relu(row), torch.tanh(row))",
+        "E*Over `for row in h`*",
+    ],
+    "test_export_of_a_data_dependent_loop": [
+        "E*ExportBlocked: torch.export cannot export DynamicNet: *models.py:*:",
+        "E*if h.abs().mean() < self.tolerance:",
+        "E*Run it a fixed number of times and stop updating with a mask*",
+        "E*for _ in range(self.max_steps):",
+        "E*active = active & ~(h.abs().mean() < self.tolerance)",
+        "E*h = torch.where(active, h + 0.5 * self.block(h), h)",
+        "E*torch.while_loop*",
+    ],
+    "test_export_of_item": [
+        "E*ExportBlocked: torch.export cannot export StepsFromData: its forward makes a "
+        "data-dependent decision at helpers.py:*:",
+        "E*steps = int(x.abs().sum().item())",
+        "E*decision in the eager run: Tensor.item -> * at helpers.py:*",
+        "E*A Python number made from a tensor (Tensor.item at helpers.py:*) is used as a size, "
+        "a loop count or a branch*",
+    ],
+    "test_exported_program_refuses_another_shape": [
+        "E*ExportCheckFailure: The program exported from Linear refused input set 1: Guard "
+        "failed: input.size()[0] == 4. * for other sizes pass dynamic_shapes *",
+    ],
+    "test_bad_backend": [
+        "E*ValueError: compile_check: backend='inductr' is not a torch.compile backend; *inductor*"
+    ],
+    "test_inputs_list_of_tensors": [
+        "E*TypeError: compile_check: inputs_list[0] must be a tuple of positional inputs "
+        "(write (x,) for one input), got Tensor"
+    ],
+    "test_forward_keyword_as_option": [
+        "E*TypeError: compile_check() got unknown keyword argument(s) threshold: keyword "
+        "arguments of the forward go in forward_kwargs=dict(name=value, ...); *"
+    ],
+    "test_bad_budget": [
+        "E*ValueError: compile_check: max_graph_breaks must be None or a whole number >= 0, got -1"
+    ],
+    "test_export_unknown_keyword": [
+        "E*TypeError: export_check() got unknown keyword argument(s) backend: *"
+    ],
+}
+
+
+def run_session(pytester: pytest.Pytester, source: str, *args: str) -> pytest.RunResult:
+    pytester.makepyfile(helpers=HELPERS, test_session=source.format(package=DEFAULT_PACKAGE))
+    return pytester.runpytest_subprocess("-p", PLUGIN_MODULE, "-p", "no:cacheprovider", *args)
+
+
+def test_models_compile_and_export_as_expected_and_report(plugin_pytester):
+    result = run_session(plugin_pytester, PASSING, "-v")
+    result.assert_outcomes(passed=13)
+    result.stdout.fnmatch_lines(
+        [
+            "compile_check MeanGatedNet (backend aot_eager): 3 outputs and gradients match eager "
+            "on 1 input set(s); 1 graph break(s), 0 recompile(s); * s",
+            "  graph break at *models.py:*: `if h.mean() > 0:`: Data-dependent branching*",
+            "export_check: exported * graph nodes",
+        ],
+        consecutive=False,
+    )
+
+
+def test_mismatches_blockers_budgets_and_misuse_fail_with_their_cause(plugin_pytester):
+    result = run_session(plugin_pytester, FAILING)
+    reports = {name: pytest.LineMatcher(lines) for name, lines in failure_reports(result).items()}
+    assert sorted(reports) == sorted(EXPECTED_FAILURES)
+    result.assert_outcomes(failed=len(EXPECTED_FAILURES))
+    for name, report in reports.items():
+        report.fnmatch_lines(
+            [line.replace("[", "[[]") for line in EXPECTED_FAILURES[name]], consecutive=False
+        )
+        # Neither torch's symbolic-shape text, nor its FX dump, nor its traceback.
+        for raw in [
+            "Could not guard on data-dependent",
+            "def forward(self, arg0_1",
+            "direct cause",
+        ]:
+            report.no_fnmatch_line(f"*{raw}*")
+
+
+def test_gpu_check_script_dry_run(tmp_path: Path):
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("GPU_CHECKS_")}
+    environ.update(PYTHON=sys.executable, GPU_CHECKS_RESULTS=str(tmp_path / "results.tsv"))
+    environ.pop("PYTHONPATH", None)
+    run = subprocess.run(
+        ["bash", str(TEMPLATE_DIR / "benchmarks" / "gpu_checks" / "compile_gpu.sh"), "--dry-run"],
+        env=environ,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    rows = {
+        name: result
+        for _, name, result, _ in (
+            line.split("\t") for line in (tmp_path / "results.tsv").read_text().splitlines()
+        )
+    }
+    assert rows["bake"] == "passed"
+    assert rows["collect the tests without --gpu"] == "passed"
+    assert rows["compile_check and export_check, inductor on CUDA"] == (
+        "skipped (dry run: needs CUDA)"
+    )
