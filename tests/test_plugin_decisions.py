@@ -232,3 +232,25 @@ def test_bad_paths_are_usage_errors(plugin_pytester, args, message):
     result = plugin_pytester.runpytest_subprocess("-p", PLUGIN_MODULE, *args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
+
+
+COMPILED = """
+import torch
+from dynamic_model import MeanGatedNet
+
+
+def test_compiled(compile_check):
+    torch.manual_seed(0)
+    model = MeanGatedNet()
+    result = compile_check(model, torch.randn(4, 8), backend="aot_eager")
+    assert [b.source for b in result.graph_breaks] == ["if h.mean() > 0:"]
+    model(torch.randn(4, 8))
+"""
+
+
+def test_compile_and_export_checks_see_the_model_not_the_recorder(plugin_pytester):
+    """torch.compile traces active torch function modes: the recorder is set aside."""
+    plugin_pytester.makepyfile(test_compiled=COMPILED)
+    result = plugin_pytester.runpytest_subprocess("-p", PLUGIN_MODULE, "--decisions")
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.fnmatch_lines(["*dynamic_model/models.py:*: if h.mean() > 0:"])

@@ -9,6 +9,7 @@ named), ``float64`` (the mode that keeps a forward in float64) and ``branches``
 (inputs on the other side of each branch decision); ``compile_check`` and
 ``export_check`` are behind the fixtures of the same names (``torch.compile``
 parity, ``torch.export`` readiness); ``control_flow`` records the data-dependent
-decisions they all report, and ``decisions`` counts them for ``pytest --decisions``. The GPU and driver facts the plugin decides on are in
-``<package>.gpus``. Importing this package does not import torch.
+decisions they all report, and ``decisions`` counts them for ``pytest --decisions``.
+The GPU and driver facts the plugin decides on are in ``<package>.gpus``. Importing
+this package does not import torch.
 """

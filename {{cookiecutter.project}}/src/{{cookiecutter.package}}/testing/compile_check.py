@@ -544,6 +544,7 @@ def _fresh_compiler(backend: Any) -> Iterator[None]:
             torch.compiler.reset()
 
 
+@control_flow.without_torch_function_modes()
 def compile_check(
     model_or_fn: Callable[..., Any],
     /,

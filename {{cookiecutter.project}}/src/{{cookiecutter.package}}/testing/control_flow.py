@@ -42,6 +42,7 @@ __all__ = [
     "first_divergence",
     "record_decisions",
     "user_location",
+    "without_torch_function_modes",
 ]
 
 # Each callable that turns tensor data into a Python value, by the name a report uses.
@@ -150,6 +151,24 @@ def record_decisions() -> Iterator[DecisionLog]:
     log = DecisionLog()
     with _DecisionRecorder(log):
         yield log
+
+
+@contextlib.contextmanager
+def without_torch_function_modes() -> Iterator[None]:
+    """Run the block with no torch function mode active, and put them back after it.
+
+    ``torch.compile`` and ``torch.export`` trace the torch function modes that are
+    active (a test's decision recorder under ``pytest --decisions``, say), so what
+    they compile would be the mode's Python code, not the model's.
+    """
+    modes = []
+    while torch._C._len_torch_function_stack():
+        modes.append(torch._C._pop_torch_function_stack())
+    try:
+        yield
+    finally:
+        for mode in reversed(modes):
+            torch._C._push_on_torch_function_stack(mode)
 
 
 def first_divergence(

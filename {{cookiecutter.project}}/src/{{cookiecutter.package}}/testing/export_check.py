@@ -79,6 +79,7 @@ class _FunctionModule(nn.Module):
         return self.function(*args, **kwargs)
 
 
+@control_flow.without_torch_function_modes()
 def export_check(
     model_or_fn: Callable[..., Any],
     /,
