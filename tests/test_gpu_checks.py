@@ -123,7 +123,7 @@ def test_an_unknown_step_is_refused(tmp_path: Path):
     assert result.returncode == 2
     assert result.stderr == (
         "all.sh: unknown step or option 'plugins'; steps: environment plugin determinism "
-        "gradcheck commands; option: --dry-run\n"
+        "gradcheck commands compile; option: --dry-run\n"
     )
     assert not (tmp_path / "summary.md").exists()
 

@@ -329,7 +329,8 @@ def test_answers_read_back_from_every_file_that_holds_them(baked, tmp_path):
     devcontainer = json5.loads(texts[".devcontainer/devcontainer.json"])
     assert devcontainer["name"] == full["project"]
     assert devcontainer["containerEnv"]["PROJECT_SSH_PORT"] == full["ssh_port"]
-    assert f"source={full['project']}-ssh-host-keys" in devcontainer["mounts"][0]
+    volume = f"source={full['project']}-${{devcontainerId}}-ssh-host-keys"
+    assert volume in devcontainer["mounts"][0]
 
     workflow = yaml.safe_load(texts[".github/workflows/ci.yml"])
     assert (
