@@ -210,10 +210,14 @@ def test_branch_on_entropy(autograd_determinism):
     def forward(x):
         generator = torch.Generator()
         generator.seed()
-        h = layer(x) + torch.rand((), generator=generator) - 0.5
-        if h.mean() > 0:  # LINE-BRANCH
-            return torch.relu(h)
-        return torch.tanh(h)
+        h = layer(x)
+        # 16 branches on fresh entropy: two runs agree on all of them once in 65,536.
+        for _ in range(16):
+            if torch.rand((), generator=generator) > 0.5:  # LINE-BRANCH
+                h = torch.relu(h)
+            else:
+                h = torch.tanh(h)
+        return h
 
     autograd_determinism(forward, torch.randn(2, 4), runs=12)
 
@@ -352,7 +356,9 @@ def test_generator_seeded_from_the_os_fails(failing: pytest.RunResult) -> None:
 def test_branch_on_entropy_names_the_decision(failing: pytest.RunResult) -> None:
     text = failure_section(failing, "test_branch_on_entropy")
     line = line_of(FAILING, "LINE-BRANCH")
-    assert f"run 2 took a different branch at decision #1 (test_session.py:{line})" in text
+    assert re.search(
+        rf"run \d+ took a different branch at decision #\d+ \(test_session.py:{line}\)", text
+    )
     assert f"Tensor.__bool__ -> True at test_session.py:{line}" in text
     assert f"Tensor.__bool__ -> False at test_session.py:{line}" in text
     assert re.search(r"first differing op: #\d+ aten.rand.generator", text)
