@@ -649,6 +649,23 @@ def _global_state_message(changed: list[str], policy: GlobalStatePolicy) -> str:
     )
 
 
+def _reporting(
+    request: pytest.FixtureRequest, name: str, check: Callable[..., Any]
+) -> Callable[..., Any]:
+    """``check`` whose result goes into the test's report section ``name`` (and, with
+    ``-v``, to the terminal at once)."""
+
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        result = check(*args, **kwargs)
+        request.node.add_report_section("call", name, str(result))
+        if request.config.get_verbosity() > 0:
+            _write_live(request.config, str(result))
+        return result
+
+    return checked
+
+
 def _write_live(config: pytest.Config, line: str) -> None:
     """Write a line to the terminal now, past output capturing (no terminal under xdist)."""
     reporter = config.pluginmanager.get_plugin("terminalreporter")
@@ -710,15 +727,7 @@ def gradcheck(request: pytest.FixtureRequest) -> Callable[..., Any]:
     """
     from .gradcheck import gradcheck as check
 
-    def checked(*args: Any, **kwargs: Any) -> Any:
-        __tracebackhide__ = True
-        result = check(*args, **kwargs)
-        request.node.add_report_section("call", "gradcheck", str(result))
-        if request.config.get_verbosity() > 0:
-            _write_live(request.config, str(result))
-        return result
-
-    return checked
+    return _reporting(request, "gradcheck", check)
 
 
 @pytest.fixture
@@ -736,15 +745,7 @@ def compile_check(request: pytest.FixtureRequest) -> Callable[..., Any]:
     """
     from .compile_check import compile_check as check
 
-    def checked(*args: Any, **kwargs: Any) -> Any:
-        __tracebackhide__ = True
-        result = check(*args, **kwargs)
-        request.node.add_report_section("call", "compile_check", str(result))
-        if request.config.get_verbosity() > 0:
-            _write_live(request.config, str(result))
-        return result
-
-    return checked
+    return _reporting(request, "compile_check", check)
 
 
 @pytest.fixture
