@@ -12,9 +12,10 @@ same reason).
 
 What the check adds to the passes is mostly memory traffic: the bitwise comparison
 reads both runs' gradients (8 MB per comparison for 1M float32 parameters), so the
-ratio falls as the batch (the compute per pass) grows. glibc hands freed memory back
-to the OS between repetitions, and the check holds one more set of gradients than a
-bare pass, so part of the difference is page faults; to see the ratio without them:
+ratio falls as the batch (the compute per pass) grows; the script prints what the
+two comparisons alone cost. The check holds two sets of gradients (run 1's and the
+current run's) where a bare pass holds one, and glibc hands the freed set back to
+the OS, so part of the rest is page faults; to see the ratio without them:
 ``MALLOC_TRIM_THRESHOLD_=1000000000 MALLOC_MMAP_THRESHOLD_=1000000000 python ...``.
 
 Bakes the default project to import the plugin's ``determinism`` module unless
@@ -59,6 +60,22 @@ def bare_passes(model, x, cotangent, runs: int) -> None:
     for _ in range(runs):
         model.zero_grad(set_to_none=True)
         model(x).backward(cotangent)
+    # The check leaves no gradients behind; neither does the baseline, so each
+    # repetition of either starts from the same allocator state (a baseline that
+    # kept its .grad would have its gradient memory recycled from the last
+    # repetition, while the check's first run gets fresh pages from the OS).
+    model.zero_grad(set_to_none=True)
+
+
+def comparison_seconds(check, bitwise_equal, repeats: int) -> float:
+    """CPU seconds of comparing two checks' gradients twice, as a check of 3 runs does."""
+    best = float("inf")
+    for _ in range(repeats):
+        first, second = check().parameter_grads, check().parameter_grads
+        pairs = [(first[name], second[name]) for name in first] * 2
+        _, cpu = timed(lambda pairs=pairs: all(bitwise_equal(a, b) for a, b in pairs))
+        best = min(best, cpu)
+    return best
 
 
 def timed(function) -> tuple[float, float]:
@@ -79,7 +96,11 @@ def main() -> int:
     arguments = parser.parse_args()
     use_generated_src(arguments.src)
     import torch
-    from dynamic_model.testing.determinism import check_determinism, deterministic_mode
+    from dynamic_model.testing.determinism import (
+        bitwise_equal,
+        check_determinism,
+        deterministic_mode,
+    )
 
     torch.set_num_threads(arguments.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU")
@@ -97,6 +118,12 @@ def main() -> int:
                 for key, function in (("check", check), ("bare", bare)):
                     times = zip(best[key], timed(function), strict=True)
                     best[key] = [min(old, new) for old, new in times]
+            comparisons = comparison_seconds(check, bitwise_equal, arguments.repeats)
+            print(
+                f"{name}: the check's two bitwise comparisons of all gradients alone take "
+                f"{comparisons * 1e3:.2f} ms CPU, {comparisons / best['bare'][1]:.1%} of the "
+                "3 bare passes"
+            )
             wall_ratio = best["check"][0] / best["bare"][0]
             cpu_ratio = best["check"][1] / best["bare"][1]
             worst = max(worst, cpu_ratio)

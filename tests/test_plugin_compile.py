@@ -190,6 +190,7 @@ from helpers import *
 
 
 def test_perturbing_backend(compile_check):
+    torch.manual_seed(0)
     compile_check(seeded(MeanGatedNet), torch.randn(4, 8), backend=perturbing_backend)
 
 
@@ -257,8 +258,7 @@ EXPECTED_FAILURES = {
     "test_perturbing_backend": [
         "E*CompileMismatch: torch.compile's result differs from eager's for input set 0 *",
         "E*output: * of 32 elements differ beyond rtol=0.0001, atol=1e-05 for torch.float32;"
-        " largest absolute difference *, largest relative * (first at [0, 0]: eager *, "
-        "compiled *)",
+        " largest absolute difference *, largest relative * (first at [*]: eager *, compiled *)",
         "E*also differ: grad of linear.weight, grad of linear.bias",
     ],
     "test_graph_break_budget": [

@@ -820,6 +820,26 @@ def test_bitwise_equal_keeps_nan_and_signed_zero_apart(package) -> None:
     assert determinism.bitwise_equal(torch.ones(2, dtype=torch.bfloat16), torch.ones(2).bfloat16())
 
 
+@pytest.mark.parametrize("with_memcmp", [True, False], ids=["memcmp", "torch.equal"])
+def test_bitwise_equal_sees_one_bit_anywhere(package, monkeypatch, with_memcmp) -> None:
+    determinism = package("determinism")
+    if not with_memcmp:
+        monkeypatch.setattr(determinism, "_memcmp", lambda: None)
+    torch.manual_seed(0)
+    weight = torch.randn(1000, 1000)
+    assert determinism.bitwise_equal(weight, weight.clone())
+    for index in (0, 499_999, 999_999):
+        changed = weight.clone().view(-1)
+        changed[index] = torch.nextafter(changed[index], torch.tensor(float("inf")))
+        assert not determinism.bitwise_equal(weight, changed.view(1000, 1000))
+    rows = weight[1:]  # a view with a storage offset
+    assert determinism.bitwise_equal(rows, rows.clone())
+    assert not determinism.bitwise_equal(rows, weight[:-1].clone())
+    assert determinism.bitwise_equal(weight[:, 1:], weight[:, 1:].clone())  # not contiguous
+    assert determinism.bitwise_equal(torch.empty(0, 3), torch.empty(0, 3))
+    assert not determinism.bitwise_equal(torch.tensor([1, 2]), torch.tensor([1, 3]))
+
+
 def test_describe_tensor_difference(package) -> None:
     determinism = package("determinism")
     a = torch.tensor([[1.0, 2.0], [3.0, float("nan")]])

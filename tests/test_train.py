@@ -444,6 +444,17 @@ def test_corrupt_checkpoint(train_module, capsys, finished_run: Path) -> None:
     )
 
 
+def test_checkpoint_of_another_format_is_refused(train_module, capsys, finished_run: Path) -> None:
+    latest = finished_run / "latest.pt"
+    state = torch.load(latest, weights_only=True)
+    assert state["format"] == 3  # resumes are tested with this one
+    torch.save({**state, "format": 2}, latest)
+    assert usage_error(train_module, capsys, *resume(finished_run)) == (
+        f"argument --resume: {latest} was written by another version of this training "
+        "command (checkpoint format 2; this one reads format 3): start a new --run-dir"
+    )
+
+
 def test_checkpoint_is_loaded_as_data(
     train_module, capsys, finished_run: Path, tmp_path: Path
 ) -> None:
@@ -534,6 +545,32 @@ def test_synthetic_data_makes_dynamic_net_skip_its_block_for_some_batches(train_
             used += 1
     assert skipped > 0
     assert used > 0
+
+
+def test_batches_without_workers_are_the_dataloaders(
+    train_module, default_project: Path
+) -> None:
+    """--workers 0 skips the DataLoader; the batches, and their order from a mid-epoch
+    position, are bit for bit those a DataLoader with no workers yields."""
+    data = importlib.import_module(f"{DEFAULT_PACKAGE}._data")
+    inputs, labels = train_module.synthetic_data(1000, seed=3)
+    dataset = data.SyntheticBatches(inputs, labels, noise=0.1, seed=3)
+    batches = data.EpochBatches(1000, 64, seed=3)
+    in_process = data.loader(dataset, batches, workers=0, seed=3, pin_memory=False)
+    reference = torch.utils.data.DataLoader(dataset, sampler=batches, batch_size=None)
+    assert isinstance(in_process, data.InProcessBatches)
+    assert len(in_process) == len(reference) == 16
+    for epoch, start in ((0, 0), (1, 5)):
+        batches.set_position(epoch, start)
+        ours = list(in_process)
+        batches.set_position(epoch, start)
+        theirs = list(reference)
+        assert len(ours) == len(theirs) == 16 - start
+        for (x, y), (x_ref, y_ref) in zip(ours, theirs, strict=True):
+            assert torch.equal(x.view(torch.int32), x_ref.view(torch.int32))
+            assert torch.equal(y, y_ref)
+    batches.set_position(0)
+    assert not torch.equal(list(in_process)[0][0], ours[0][0])  # another epoch, other data
 
 
 def test_progress_bar(default_project: Path, monkeypatch: pytest.MonkeyPatch) -> None:

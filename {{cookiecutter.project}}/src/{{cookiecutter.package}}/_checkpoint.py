@@ -20,7 +20,7 @@ from typing import Any, BinaryIO
 
 import torch
 
-FORMAT = 2
+FORMAT = 3
 LATEST = "latest.pt"
 
 
@@ -127,22 +127,34 @@ def load(path: Path, map_location: torch.device | str) -> dict[str, Any]:
     except Exception as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointError(f"{path} is not a readable checkpoint ({reason})") from error
-    if not isinstance(state, dict) or state.get("format") != FORMAT:
+    if not isinstance(state, dict) or not isinstance(state.get("format"), int):
         raise CheckpointError(f"{path} is not a checkpoint written by this training command")
+    if state["format"] != FORMAT:
+        raise CheckpointError(
+            f"{path} was written by another version of this training command (checkpoint "
+            f"format {state['format']}; this one reads format {FORMAT}): start a new --run-dir"
+        )
     return state
 
 
 def rng_state(device: torch.device) -> dict[str, Any]:
-    """The random number generators' states of this process: Python, torch CPU, and ``device``."""
+    """The random number generators' states of this process: Python, torch CPU, and ``device``.
+
+    Python's Mersenne Twister state (625 integers) is kept as one tensor: pickled as
+    a tuple, its integers are most of the objects a checkpoint holds, and each one
+    costs ``torch.save`` a Python call.
+    """
+    version, words, gauss = random.getstate()
     return {
-        "python": random.getstate(),
+        "python": {"version": version, "words": torch.tensor(words), "gauss": gauss},
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state(device) if device.type == "cuda" else None,
     }
 
 
 def set_rng_state(state: dict[str, Any], device: torch.device) -> None:
-    random.setstate(state["python"])
+    python = state["python"]
+    random.setstate((python["version"], tuple(python["words"].tolist()), python["gauss"]))
     torch.set_rng_state(state["torch"].cpu())
     if device.type == "cuda" and state["cuda"] is not None:
         torch.cuda.set_rng_state(state["cuda"].cpu(), device)

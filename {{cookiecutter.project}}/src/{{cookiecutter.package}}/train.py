@@ -9,10 +9,11 @@ Each run has a folder (``--run-dir``, default ``runs/<date-time>``) holding
 ``metrics.csv`` (one row per epoch), TensorBoard events with ``--tensorboard``, and
 ``latest.pt``, the checkpoint, written at every epoch's end and every
 ``--checkpoint-every`` steps. The data set is generated from ``--seed`` (nothing is
-downloaded) and read through a ``DataLoader`` (``--workers`` processes). Each epoch's
-data order depends only on ``--seed`` and the epoch number, each batch's noise only
-on its place in the run, and a checkpoint holds the model, the optimizer, the fp16
-gradient scaler, every random number generator and the position in the epoch, so
+downloaded) and read through a ``DataLoader`` with ``--workers N`` processes, or made
+in this process with ``--workers 0``. Each epoch's data order depends only on
+``--seed`` and the epoch number, each batch's noise only on its place in the run,
+and a checkpoint holds the model, the optimizer, the fp16 gradient scaler, every
+random number generator and the position in the epoch, so
 ``--resume`` continues exactly where the last checkpoint stopped, even mid-epoch:
 the final weights are bitwise equal to those of an uninterrupted run with the same
 settings, whatever ``--workers`` either run used.
@@ -289,7 +290,7 @@ class RunningMean:
         if state is not None:
             self._partials = list(state["partials"].to(device).unbind())
             self._losses = list(state["losses"].to(device).unbind())
-            self._sizes = list(state["sizes"])
+            self._sizes = state["sizes"].tolist()
             self.count = state["samples"]
 
     def add(self, batch_mean: torch.Tensor, batch_size: int) -> None:
@@ -319,7 +320,7 @@ class RunningMean:
         return {
             "partials": torch.stack(self._partials).cpu() if self._partials else empty,
             "losses": torch.stack(self._losses).cpu() if self._losses else empty.float(),
-            "sizes": list(self._sizes),
+            "sizes": torch.tensor(self._sizes, dtype=torch.int64),
             "samples": self.count,
         }
 
@@ -468,7 +469,7 @@ def train(
                     scaler.scale(batch_loss).backward()
                     scaler.step(optimizer)
                     scaler.update()
-                running.add(batch_loss, len(batch_labels))
+                running.add(batch_loss, batch_labels.shape[0])
                 position.step += 1
                 position.global_step += 1
                 if progress is not None:

@@ -31,6 +31,7 @@ __all__ = [
     "Setting",
     "differences",
     "restore",
+    "rng_states",
     "snapshot",
     "torch_settings",
 ]
@@ -216,19 +217,26 @@ def _numpy_rng(numpy: Any) -> RngState:
     return RngState("numpy.random (global RNG)", key, state, numpy.random.set_state)
 
 
-def snapshot() -> GlobalState:
-    """The current global state; torch and NumPy parts only if they are already imported."""
+def rng_states() -> tuple[RngState, ...]:
+    """The global generators' states; torch's and NumPy's only if already imported."""
     torch = sys.modules.get("torch")
     numpy = sys.modules.get("numpy")
     state = random.getstate()
     rngs = [RngState("random (Python)", state, state, random.setstate)]
-    settings: tuple[tuple[str, Any], ...] = ()
     if torch is not None:
-        settings = tuple((setting.name, setting.get()) for setting in torch_settings())
         rngs.extend(_torch_rngs(torch))
     if numpy is not None:
         rngs.append(_numpy_rng(numpy))
-    return GlobalState(settings=settings, rngs=tuple(rngs))
+    return tuple(rngs)
+
+
+def snapshot() -> GlobalState:
+    """The current global state; torch and NumPy parts only if they are already imported."""
+    torch = sys.modules.get("torch")
+    settings: tuple[tuple[str, Any], ...] = ()
+    if torch is not None:
+        settings = tuple((setting.name, setting.get()) for setting in torch_settings())
+    return GlobalState(settings=settings, rngs=rng_states())
 
 
 def differences(before: GlobalState, after: GlobalState) -> list[str]:
@@ -254,7 +262,7 @@ def restore(state: GlobalState) -> None:
             setting = settings[name]
             if setting.get() != value:
                 setting.set(value)
-    current = {rng.name: rng for rng in snapshot().rngs}
+    current = {rng.name: rng for rng in rng_states()}
     for rng in state.rngs:
         if current.get(rng.name, rng) != rng:
             rng.set_state(rng.raw)
