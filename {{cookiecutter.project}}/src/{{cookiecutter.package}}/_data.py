@@ -121,8 +121,8 @@ class InProcessBatches:
     What a ``DataLoader`` with no workers does with a sampler of whole batches
     (``batch_size=None``): the same keys, the same tensors, pinned if asked. It
     leaves out the loader's per-batch bookkeeping (a profiler range, the fetcher,
-    the pin-memory check), which for a small model on the CPU costs about a tenth of
-    a training step.
+    the pin-memory check): about 45 µs a batch on the CPU, 4% of a training step of
+    the example model.
     """
 
     def __init__(self, dataset: SyntheticBatches, batches: EpochBatches, *, pin_memory: bool):
