@@ -7,10 +7,11 @@ script without the command's machinery does: take each batch, forward, backward,
 step. ``train()`` (``--workers 0``: batches from the same sampler, made in the
 process) adds the running loss, the progress line, ``metrics.csv`` and an atomic,
 fsynced checkpoint at every epoch's end; the run's setup is timed too, reading the
-checkpoint back for the weights comparison is not. The two are interleaved; the verdict is the median, over ``--repeats`` pairs,
-of the CPU-time ratio of a train run to the bare run right after it (on a shared
-machine that is the figure load changes disturb least); the ratios of the best
-runs of each, by wall clock and CPU time, are printed too.
+checkpoint back for the weights comparison is not. The two are interleaved; the
+verdict is the median, over ``--repeats`` pairs, of the CPU-time ratio of a train
+run to the bare run right after it (on a shared machine that is the figure load
+changes disturb least); the ratios of the best runs of each, by wall clock and CPU
+time, are printed too.
 
     python benchmarks/train_overhead.py [--repeats 7] [--epochs 3] [--samples 8192]
 

@@ -547,9 +547,7 @@ def test_synthetic_data_makes_dynamic_net_skip_its_block_for_some_batches(train_
     assert used > 0
 
 
-def test_batches_without_workers_are_the_dataloaders(
-    train_module, default_project: Path
-) -> None:
+def test_batches_without_workers_are_the_dataloaders(train_module) -> None:
     """--workers 0 skips the DataLoader; the batches, and their order from a mid-epoch
     position, are bit for bit those a DataLoader with no workers yields."""
     data = importlib.import_module(f"{DEFAULT_PACKAGE}._data")
@@ -570,7 +568,7 @@ def test_batches_without_workers_are_the_dataloaders(
             assert torch.equal(x.view(torch.int32), x_ref.view(torch.int32))
             assert torch.equal(y, y_ref)
     batches.set_position(0)
-    assert not torch.equal(list(in_process)[0][0], ours[0][0])  # another epoch, other data
+    assert not torch.equal(next(iter(in_process))[0], ours[0][0])  # another epoch, other data
 
 
 def test_progress_bar(default_project: Path, monkeypatch: pytest.MonkeyPatch) -> None:

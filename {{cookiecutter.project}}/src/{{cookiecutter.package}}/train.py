@@ -13,10 +13,10 @@ downloaded) and read through a ``DataLoader`` with ``--workers N`` processes, or
 in this process with ``--workers 0``. Each epoch's data order depends only on
 ``--seed`` and the epoch number, each batch's noise only on its place in the run,
 and a checkpoint holds the model, the optimizer, the fp16 gradient scaler, every
-random number generator and the position in the epoch, so
-``--resume`` continues exactly where the last checkpoint stopped, even mid-epoch:
-the final weights are bitwise equal to those of an uninterrupted run with the same
-settings, whatever ``--workers`` either run used.
+random number generator and the position in the epoch, so ``--resume`` continues
+exactly where the last checkpoint stopped, even mid-epoch: the final weights are
+bitwise equal to those of an uninterrupted run with the same settings, whatever
+``--workers`` either run used.
 
 Under ``torchrun`` every process trains a copy of the model on its share of each
 epoch (DistributedSampler) and DistributedDataParallel averages the gradients:
@@ -272,11 +272,10 @@ class RunningMean:
     """The mean of an epoch's per-batch losses, summed on the device, read only on demand.
 
     A step only keeps its detached loss: adding it to a total at once would cost an op
-    per step (more, on the CPU, than the DataLoader's own work), and reading it would
-    wait for the GPU. Every `FOLD` steps of the epoch those losses are summed (in
-    float64) into one partial sum. The partial sums fall on the same steps whether or
-    not the epoch was interrupted, and `state` holds the losses not summed yet, so a
-    resumed epoch ends with the same bits.
+    per step, and reading it would wait for the GPU. Every `FOLD` steps of the epoch
+    those losses are summed (in float64) into one partial sum. The partial sums fall
+    on the same steps whether or not the epoch was interrupted, and `state` holds the
+    losses not summed yet, so a resumed epoch ends with the same bits.
     """
 
     FOLD = 1024
