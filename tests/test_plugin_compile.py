@@ -319,14 +319,16 @@ EXPECTED_FAILURES = {
         "(write (x,) for one input), got Tensor"
     ],
     "test_forward_keyword_as_option": [
-        "E*TypeError: compile_check() got unknown keyword argument(s) threshold: keyword "
-        "arguments of the forward go in forward_kwargs=dict(name=value, ...); *"
+        "E*TypeError: compile_check() got unknown keyword argument(s) 'threshold': its options "
+        "are forward_kwargs, inputs_list, backend, *; keyword arguments of the forward go in "
+        "forward_kwargs={'threshold': ...}"
     ],
     "test_bad_budget": [
         "E*ValueError: compile_check: max_graph_breaks must be None or a whole number >= 0, got -1"
     ],
     "test_export_unknown_keyword": [
-        "E*TypeError: export_check() got unknown keyword argument(s) backend: *"
+        "E*TypeError: export_check() got unknown keyword argument(s) 'backend': its options are "
+        "forward_kwargs, inputs_list, dynamic_shapes, strict; *"
     ],
 }
 

@@ -776,8 +776,9 @@ def test_thread_pools_and_reseeds_are_named(plugin_pytester: pytest.Pytester) ->
 )
 def test_cublas_workspace_action(package, version, cuda_built, initialized, configured, action):
     determinism = package("determinism")
-    assert determinism.cublas_workspace_action(version, cuda_built, initialized, configured) == (
-        action
+    expected = None if action is None else determinism.CublasWorkspaceAction(action)
+    assert determinism.cublas_workspace_action(version, cuda_built, initialized, configured) is (
+        expected
     )
 
 
@@ -809,46 +810,46 @@ def test_deterministic_mode_leaves_cublas_workspace_alone_on_current_torch(
 
 
 def test_bitwise_equal_keeps_nan_and_signed_zero_apart(package) -> None:
-    determinism = package("determinism")
+    comparison = package("comparison")
     nan = torch.tensor([float("nan"), 1.0])
-    assert determinism.bitwise_equal(nan, nan.clone())
+    assert comparison.bitwise_equal(nan, nan.clone())
     assert not torch.equal(nan, nan.clone())  # why a plain comparison would not do
-    assert not determinism.bitwise_equal(torch.tensor([0.0]), torch.tensor([-0.0]))
-    assert not determinism.bitwise_equal(torch.ones(2), torch.ones(2, dtype=torch.float64))
-    assert determinism.bitwise_equal(torch.ones(2, 3).t(), torch.ones(3, 2))
-    assert determinism.bitwise_equal(torch.ones(2, dtype=torch.complex64), torch.ones(2) + 0j)
-    assert determinism.bitwise_equal(torch.ones(2, dtype=torch.bfloat16), torch.ones(2).bfloat16())
+    assert not comparison.bitwise_equal(torch.tensor([0.0]), torch.tensor([-0.0]))
+    assert not comparison.bitwise_equal(torch.ones(2), torch.ones(2, dtype=torch.float64))
+    assert comparison.bitwise_equal(torch.ones(2, 3).t(), torch.ones(3, 2))
+    assert comparison.bitwise_equal(torch.ones(2, dtype=torch.complex64), torch.ones(2) + 0j)
+    assert comparison.bitwise_equal(torch.ones(2, dtype=torch.bfloat16), torch.ones(2).bfloat16())
 
 
 @pytest.mark.parametrize("with_memcmp", [True, False], ids=["memcmp", "torch.equal"])
 def test_bitwise_equal_sees_one_bit_anywhere(package, monkeypatch, with_memcmp) -> None:
-    determinism = package("determinism")
+    comparison = package("comparison")
     if not with_memcmp:
-        monkeypatch.setattr(determinism, "_memcmp", lambda: None)
+        monkeypatch.setattr(comparison, "_memcmp", lambda: None)
     torch.manual_seed(0)
     weight = torch.randn(1000, 1000)
-    assert determinism.bitwise_equal(weight, weight.clone())
+    assert comparison.bitwise_equal(weight, weight.clone())
     for index in (0, 499_999, 999_999):
         changed = weight.clone().view(-1)
         changed[index] = torch.nextafter(changed[index], torch.tensor(float("inf")))
-        assert not determinism.bitwise_equal(weight, changed.view(1000, 1000))
+        assert not comparison.bitwise_equal(weight, changed.view(1000, 1000))
     rows = weight[1:]  # a view with a storage offset
-    assert determinism.bitwise_equal(rows, rows.clone())
-    assert not determinism.bitwise_equal(rows, weight[:-1].clone())
-    assert determinism.bitwise_equal(weight[:, 1:], weight[:, 1:].clone())  # not contiguous
-    assert determinism.bitwise_equal(torch.empty(0, 3), torch.empty(0, 3))
-    assert not determinism.bitwise_equal(torch.tensor([1, 2]), torch.tensor([1, 3]))
+    assert comparison.bitwise_equal(rows, rows.clone())
+    assert not comparison.bitwise_equal(rows, weight[:-1].clone())
+    assert comparison.bitwise_equal(weight[:, 1:], weight[:, 1:].clone())  # not contiguous
+    assert comparison.bitwise_equal(torch.empty(0, 3), torch.empty(0, 3))
+    assert not comparison.bitwise_equal(torch.tensor([1, 2]), torch.tensor([1, 3]))
 
 
 def test_describe_tensor_difference(package) -> None:
-    determinism = package("determinism")
+    comparison = package("comparison")
     a = torch.tensor([[1.0, 2.0], [3.0, float("nan")]])
     b = torch.tensor([[1.0, 2.5], [-3.0, 4.0]])
-    assert determinism.describe_tensor_difference("grad of w", a, b, 3) == (
+    assert comparison.describe_tensor_difference("grad of w", a, b, 3) == (
         "grad of w: 3 of 4 elements differ, largest absolute difference 6, "
         "1 NaN in one run only (first at [0, 1]: 2 in run 1, 2.5 in run 3)"
     )
-    zero = determinism.describe_tensor_difference("output", torch.zeros(2), -torch.zeros(2), 2)
+    zero = comparison.describe_tensor_difference("output", torch.zeros(2), -torch.zeros(2), 2)
     assert "equal values with different bits (0.0 and -0.0)" in zero
 
 

@@ -1,15 +1,32 @@
-"""The project's pytest plugin and the plain functions behind it.
+"""The project's pytest plugin, its checks, and the shared floor they stand on.
 
 ``plugin`` is what the project's pytest configuration loads (``-p
-<package>.testing.plugin`` in ``addopts``); ``global_state`` snapshots and restores
-torch's process-wide settings and random number generators; ``determinism`` and
-``gradcheck`` are the checks behind the ``autograd_determinism`` and ``gradcheck``
-fixtures, with ``calls`` (how a callable's arguments and modules are found and
-named), ``float64`` (the mode that keeps a forward in float64) and ``branches``
-(inputs on the other side of each branch decision); ``compile_check`` and
-``export_check`` are behind the fixtures of the same names (``torch.compile``
-parity, ``torch.export`` readiness); ``control_flow`` records the data-dependent
-decisions they all report, and ``decisions`` counts them for ``pytest --decisions``.
-The GPU and driver facts the plugin decides on are in ``<package>.gpus``. Importing
-this package does not import torch.
+<package>.testing.plugin`` in ``addopts``): hooks and fixtures, thin, importing each
+check only when its fixture is used. The checks, each behind the fixture of its
+name and each a plain function too, are peers: ``gradcheck``, ``determinism``
+(``autograd_determinism``), ``compile_check``, ``export_check`` and ``decisions``
+(``pytest --decisions``). They import the modules of :data:`SHARED_FLOOR` and never
+each other (``tests/test_architecture.py`` checks it). ARCHITECTURE.md at the
+project's root says which module does what. Importing this package does not import
+torch.
 """
+
+__all__ = ["SHARED_FLOOR"]
+
+# What every check may import: no check owns these modules. Any other module in this
+# package except ``plugin`` is a check.
+SHARED_FLOOR = frozenset(
+    {
+        "branches",  # inputs on the other side of each branch decision
+        "calls",  # the call a check makes: options, forward_kwargs, input sets, modules reached
+        "comparison",  # two results compared, bit for bit or within tolerances
+        "control_flow",  # data-dependent decisions recorded, with the user's line
+        "failures",  # CheckFailure, the base of every check's failures
+        "float64",  # a forward kept in float64 end to end
+        "global_state",  # torch's process-wide settings and RNGs: snapshot, compare, restore
+        "naming",  # names of callables, inputs and tensor elements in reports
+        "runs",  # one forward and backward, its cotangents and typed results
+        "subject",  # the model or function under test and the state each run starts from
+        "trees",  # nested inputs and outputs through torch.utils._pytree
+    }
+)

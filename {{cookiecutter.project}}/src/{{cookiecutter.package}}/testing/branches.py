@@ -15,7 +15,6 @@ are reported as such.
 
 from __future__ import annotations
 
-import linecache
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
@@ -23,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .control_flow import UNKNOWN_LOCATION, DecisionMode, user_location
+from .control_flow import UNKNOWN_LOCATION, DecisionMode, Location, user_location
 
 __all__ = ["BranchSide", "other_sides"]
 
@@ -48,7 +47,7 @@ _BISECTIONS = 6
 
 @dataclass(frozen=True)
 class _Branch:
-    location: str
+    location: Location
     occurrence: int  # 1 for the first decision at that line in the forward
     outcome: bool
     margin: torch.Tensor | None  # True iff margin > 0 (>= 0); None: no comparison
@@ -59,7 +58,7 @@ class _BranchRecorder(DecisionMode):
         super().__init__()
         self.margins: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.branches: list[_Branch] = []
-        self._seen: dict[str, int] = {}
+        self._seen: dict[Location, int] = {}
 
     def computed(self, func: Any, args: tuple, kwargs: dict | None, result: Any) -> None:
         sign = _COMPARISONS.get(func)
@@ -83,7 +82,7 @@ class _BranchRecorder(DecisionMode):
 class BranchSide:
     """The other side of one branch decision: found (with the moved inputs) or why not."""
 
-    location: str
+    location: Location
     occurrence: int
     at_point: bool
     found: bool
@@ -94,8 +93,7 @@ class BranchSide:
 
     @property
     def source(self) -> str:
-        path, _, line = self.location.rpartition(":")
-        return linecache.getline(path, int(line)).strip() if line.isdigit() else ""
+        return self.location.source
 
     def __str__(self) -> str:
         where = f"{self.location}" + (f" (#{self.occurrence})" if self.occurrence > 1 else "")
@@ -108,7 +106,7 @@ class BranchSide:
         return f"{where}: {self.at_point} at the point; {other} not checked: {self.reason}"
 
 
-def _key(branch: _Branch) -> tuple[str, int]:
+def _key(branch: _Branch) -> tuple[Location, int]:
     return branch.location, branch.occurrence
 
 

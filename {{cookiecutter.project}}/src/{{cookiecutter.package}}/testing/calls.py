@@ -1,14 +1,12 @@
-"""The call both checks run: ``model_or_function(*inputs, **forward_kwargs)``, its pieces named.
+"""The call every check makes: ``model_or_function(*inputs, **forward_kwargs)``, checked.
 
-Both fixtures take ``(model_or_function, /, *inputs, forward_kwargs=None, <options>)``.
+All checks take ``(model_or_function, /, *inputs, forward_kwargs=None, <options>)``.
 This module holds what they share about that call:
 
-- :func:`forward_kwargs_of` and :func:`reject_unknown_keywords`: keyword arguments of
-  the forward travel only in ``forward_kwargs``, so a forward parameter named like an
-  option (``eps``, ``atol``, ``runs``) never gets the option's meaning;
-- :func:`input_names`: how inputs are named in messages and results: the forward's
-  parameter name where ``inspect.signature`` finds one, else ``inputs[i]``, then the
-  pytree path into nested inputs (``x[0]['mask']``); ``forward_kwargs`` entries by key;
+- :func:`reject_unknown_keywords`, :func:`forward_kwargs_of` and :func:`input_sets`:
+  keyword arguments of the forward travel only in ``forward_kwargs``, so a forward
+  parameter named like an option (``eps``, ``atol``, ``runs``) never gets the option's
+  meaning; ``inputs_list`` adds input sets;
 - :func:`reached_modules`: the modules a callable reaches (a module, a bound method,
   a ``functools.partial``, closures, default arguments and globals of a function that
   hold modules or containers of modules, attributes of an object with ``__call__``),
@@ -31,10 +29,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from .naming import input_names
+
 __all__ = [
     "REENTRANT_CHECKPOINT",
     "forward_kwargs_of",
-    "input_names",
+    "input_sets",
     "reached_modules",
     "reentrant_checkpoint",
     "reject_data_less",
@@ -71,6 +71,25 @@ def forward_kwargs_of(check: str, forward_kwargs: Any) -> dict[str, Any]:
     return dict(forward_kwargs)
 
 
+def input_sets(check: str, inputs: tuple, inputs_list: Any) -> list[tuple]:
+    """The input tuples to run: ``inputs`` first (when given), then each of ``inputs_list``."""
+    __tracebackhide__ = True
+    if inputs_list is None:
+        return [inputs]
+    if not isinstance(inputs_list, list | tuple) or not inputs_list:
+        raise TypeError(
+            f"{check}: inputs_list must be a non-empty list of input tuples, "
+            f"e.g. [(x1,), (x2,)], got {inputs_list!r}"
+        )
+    for position, entry in enumerate(inputs_list):
+        if not isinstance(entry, tuple):
+            raise TypeError(
+                f"{check}: inputs_list[{position}] must be a tuple of positional inputs "
+                f"(write (x,) for one input), got {type(entry).__name__}"
+            )
+    return ([inputs] if inputs else []) + list(inputs_list)
+
+
 def reject_unknown_keywords(check: str, unknown: Mapping[str, Any], options: Iterable[str]) -> None:
     """``TypeError`` naming keywords that are no option: they belong in ``forward_kwargs``."""
     __tracebackhide__ = True
@@ -83,22 +102,6 @@ def reject_unknown_keywords(check: str, unknown: Mapping[str, Any], options: Ite
         f"{', '.join(options)}; keyword arguments of the forward go in "
         f"forward_kwargs={example}"
     )
-
-
-def input_names(function: Callable[..., Any], count: int) -> list[str]:
-    """The name of each positional input: the forward's parameter name, else ``inputs[i]``."""
-    target = function.forward if isinstance(function, nn.Module) else function
-    names: list[str] = []
-    try:
-        parameters = list(inspect.signature(target).parameters.values())
-    except (TypeError, ValueError):
-        parameters = []
-    for parameter in parameters:
-        if parameter.kind not in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
-            break
-        names.append(parameter.name)
-    names.extend(f"inputs[{position}]" for position in range(len(names), count))
-    return names[:count]
 
 
 def reached_modules(function: Callable[..., Any]) -> list[tuple[str, nn.Module]]:

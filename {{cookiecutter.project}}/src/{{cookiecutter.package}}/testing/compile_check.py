@@ -1,8 +1,8 @@
 """Check that ``torch.compile`` computes what eager PyTorch computes, and say where it breaks.
 
 :func:`compile_check` runs a model (or function) once eagerly and once compiled, each
-forward and backward from the same parameters, buffers, RNG states and inputs (the
-machinery of :mod:`.determinism`), and compares the outputs and the gradients of
+forward and backward from the same parameters, buffers, RNG states and inputs
+(:mod:`.subject`, :mod:`.runs`), and compares the outputs and the gradients of
 every parameter and input that requires grad within tolerances chosen by dtype. It
 returns what the compiler did: each graph break with its reason in words, the user's
 ``file:line`` and source line, and the data-dependent decision recorded there by
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import linecache
 import logging
 import re
 import time
@@ -34,8 +33,12 @@ from typing import Any
 import torch
 
 from . import control_flow
-from .determinism import _Cotangents, _run_once, _RunResult, _Subject
-from .gradcheck import _describe_callable
+from .calls import forward_kwargs_of, input_sets, reject_unknown_keywords
+from .comparison import DEFAULT_TOLERANCES, close_mismatch, differing, tolerances_for
+from .failures import CheckFailure
+from .naming import describe_callable
+from .runs import Cotangents, Run, run_once
+from .subject import Subject
 
 __all__ = [
     "DEFAULT_TOLERANCES",
@@ -50,15 +53,6 @@ __all__ = [
     "tolerances_for",
 ]
 
-# (rtol, atol) by dtype: eager and compiled code sum and fuse in different orders, so
-# they agree to a few units in the last places of the dtype, gradients a little less.
-DEFAULT_TOLERANCES: dict[torch.dtype, tuple[float, float]] = {
-    torch.float64: (1e-7, 1e-7),
-    torch.float32: (1e-4, 1e-5),
-    torch.float16: (1e-2, 1e-3),
-    torch.bfloat16: (5e-2, 1e-2),
-}
-_COMPONENT_DTYPE = {torch.complex128: torch.float64, torch.complex64: torch.float32}
 MODES = (None, "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 _LISTED = 5
 
@@ -81,8 +75,10 @@ _EQUALS = re.compile(r"^(?P<variable>\S+) == (?P<value>.+)$")
 _LOCAL = re.compile(r"^L\['(?P<name>[^']+)'\]$")
 
 
-class CompileCheckFailure(AssertionError):
+class CompileCheckFailure(CheckFailure):
     """``compile_check`` failed; the message says what and where."""
+
+    check = "compile_check"
 
 
 class CompileMismatch(CompileCheckFailure):
@@ -132,7 +128,7 @@ class GraphBreak:
     """
 
     reason: str
-    location: str
+    location: control_flow.Location
     source: str
     decision: str | None
     whole_function_eager: bool
@@ -157,7 +153,7 @@ class Recompile:
 
     function: str
     guard: str
-    location: str
+    location: control_flow.Location
     source: str
     torch_guard: str
 
@@ -191,50 +187,7 @@ class CompileCheckResult:
         return "\n".join(lines)
 
 
-def tolerances_for(dtype: torch.dtype) -> tuple[float, float]:
-    """``(rtol, atol)`` for comparing eager and compiled tensors of ``dtype``; 0 for exact."""
-    dtype = _COMPONENT_DTYPE.get(dtype, dtype)
-    return DEFAULT_TOLERANCES.get(dtype, (0.0, 0.0))
-
-
 # --- arguments --------------------------------------------------------------------------
-
-
-def input_sets(
-    check: str, inputs: tuple, inputs_list: Any, forward_kwargs: Any
-) -> tuple[list[tuple], dict[str, Any]]:
-    """The input tuples to run (``inputs`` first, then ``inputs_list``) and the keywords."""
-    if forward_kwargs is None:
-        forward_kwargs = {}
-    if not isinstance(forward_kwargs, dict) or not all(isinstance(k, str) for k in forward_kwargs):
-        raise TypeError(
-            f"{check}: forward_kwargs must be a dict of the forward's keyword arguments, "
-            f"got {forward_kwargs!r}"
-        )
-    if inputs_list is None:
-        return [inputs], forward_kwargs
-    if not isinstance(inputs_list, list | tuple) or not inputs_list:
-        raise TypeError(
-            f"{check}: inputs_list must be a non-empty list of input tuples, "
-            f"e.g. [(x1,), (x2,)], got {inputs_list!r}"
-        )
-    for position, entry in enumerate(inputs_list):
-        if not isinstance(entry, tuple):
-            raise TypeError(
-                f"{check}: inputs_list[{position}] must be a tuple of positional inputs "
-                f"(write (x,) for one input), got {type(entry).__name__}"
-            )
-    return ([inputs] if inputs else []) + list(inputs_list), forward_kwargs
-
-
-def refuse_unknown_keywords(check: str, unknown: dict[str, Any], options: Sequence[str]) -> None:
-    if unknown:
-        names = ", ".join(sorted(unknown))
-        raise TypeError(
-            f"{check}() got unknown keyword argument(s) {names}: keyword arguments of the "
-            "forward go in forward_kwargs=dict(name=value, ...); the options are "
-            + ", ".join(options)
-        )
 
 
 def _validate(backend, mode, dynamic, max_graph_breaks, max_recompiles, rtol, atol) -> None:
@@ -311,18 +264,14 @@ def _graph_break_records() -> Iterator[_Records]:
             logger.propagate = propagate
 
 
-def _source(filename: str, line: int) -> str:
-    return linecache.getline(filename, line).strip()
-
-
 def _graph_breaks(
     messages: list[str], decisions: Sequence[control_flow.Decision]
 ) -> list[GraphBreak]:
     """One entry per distinct break (a line and a reason), in the order torch met them."""
-    decided = {}
+    decided: dict[control_flow.Location, str] = {}
     for decision in decisions:
         decided.setdefault(decision.location, decision.op)
-    found: dict[tuple[str, str], GraphBreak] = {}
+    found: dict[tuple[control_flow.Location, str], GraphBreak] = {}
     for message in messages:
         head, _, rest = message.partition("\n")
         matched = _BREAK_HEADER.match(head)
@@ -348,13 +297,13 @@ def _graph_breaks(
             sentences = sentences[1:]
         explanation = ". ".join(sentences)
         words = f"{kind}: {explanation}" if explanation else kind
-        location = f"{control_flow.display_path(filename)}:{line}"
+        location = control_flow.Location(filename, line)
         key = (location, kind)
         earlier = found.get(key)
         found[key] = GraphBreak(
             reason=words,
             location=location,
-            source=_source(filename, line),
+            source=location.source,
             decision=decided.get(location),
             whole_function_eager=whole_function or bool(earlier and earlier.whole_function_eager),
         )
@@ -394,19 +343,20 @@ def _recompile(code: Any, text: str, decisions: Sequence[control_flow.Decision])
     function = code.co_name
     made_at = None
     if resumed:
-        made_at = f"{control_flow.display_path(code.co_filename)}:{resumed['line']}"
+        made_at = control_flow.Location(code.co_filename, int(resumed["line"]))
         function = f"{resumed['function']} (the code after its graph break at {made_at})"
+    location = control_flow.Location(filename, line)
     return Recompile(
         function=function,
         guard=_guard_in_words(guard, made_at, decisions),
-        location=f"{control_flow.display_path(filename)}:{line}",
-        source=_source(filename, line),
+        location=location,
+        source=location.source,
         torch_guard=guard,
     )
 
 
 def _guard_in_words(
-    guard: str, made_at: str | None, decisions: Sequence[control_flow.Decision]
+    guard: str, made_at: control_flow.Location | None, decisions: Sequence[control_flow.Decision]
 ) -> str:
     size = _SIZE.search(guard)
     if size:
@@ -439,69 +389,30 @@ def _guard_in_words(
 
 # --- comparing the runs -----------------------------------------------------------------
 
-
-def _mismatch(
-    name: str, eager: Any, compiled: Any, rtol: float | None, atol: float | None
-) -> tuple[str, tuple[int, ...] | None] | None:
-    """``(description, first differing index)`` when the two values differ, else None."""
-    if not isinstance(eager, torch.Tensor) or not isinstance(compiled, torch.Tensor):
-        if isinstance(eager, torch.Tensor) or isinstance(compiled, torch.Tensor):
-
-            def kind(value: Any) -> str:
-                if isinstance(value, torch.Tensor):
-                    return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-                return "None (the backward pass did not reach it)" if value is None else repr(value)
-
-            return f"{name}: {kind(eager)} in eager, {kind(compiled)} compiled", None
-        same = type(eager) is type(compiled) and repr(eager) == repr(compiled)
-        return None if same else (f"{name}: {eager!r} in eager, {compiled!r} compiled", None)
-    if eager.dtype != compiled.dtype or eager.shape != compiled.shape:
-        return (
-            f"{name}: {eager.dtype} {tuple(eager.shape)} in eager, "
-            f"{compiled.dtype} {tuple(compiled.shape)} compiled"
-        ), None
-    default_rtol, default_atol = tolerances_for(eager.dtype)
-    rtol = default_rtol if rtol is None else rtol
-    atol = default_atol if atol is None else atol
-    a, b = eager.detach(), compiled.detach().to(eager.device)
-    if a.is_floating_point() or a.is_complex():
-        differs = ~torch.isclose(a, b, rtol=rtol, atol=atol, equal_nan=True)
-    else:
-        differs = a != b
-    if not differs.any():
-        return None
-    wide = torch.complex128 if a.is_complex() else torch.float64
-    x, y = a[differs].to(wide), b[differs].to(wide)
-    gap = (x - y).abs()
-    largest = float(gap.nan_to_num(float("inf")).max())
-    relative = float((gap / y.abs().clamp_min(torch.finfo(torch.float64).tiny)).max())
-    first = tuple(int(i) for i in differs.nonzero()[0])
-    at = list(first) if first else "the only element"
-    tolerance = f"rtol={rtol:g}, atol={atol:g} for {a.dtype}"
-    return (
-        f"{name}: {int(differs.sum())} of {a.numel()} elements differ beyond {tolerance}; "
-        f"largest absolute difference {largest:.3g}, largest relative {relative:.3g} (first at "
-        f"{at}: eager {a[first].item()!r}, compiled {b[first].item()!r})"
-    ), first
+_SIDES = ("eager", "compiled")
 
 
 def _compare(
-    eager: _RunResult, compiled: _RunResult, rtol: float | None, atol: float | None, input_set: int
+    eager: Run, compiled: Run, rtol: float | None, atol: float | None, input_set: int
 ) -> None:
     __tracebackhide__ = True
-    names = [*eager.values, *(n for n in compiled.values if n not in eager.values)]
-    found = []
-    for name in names:
-        if name not in eager.values or name not in compiled.values:
-            side = "eager" if name in eager.values else "the compiled run"
-            found.append((name, (f"{name}: only {side} has it", None)))
-            continue
-        difference = _mismatch(name, eager.values[name], compiled.values[name], rtol, atol)
-        if difference:
-            found.append((name, difference))
+
+    def close(a: Any, b: Any) -> bool:
+        return close_mismatch("", a, b, rtol, atol, _SIDES) is None
+
+    found = differing(eager.values, compiled.values, close)
     if not found:
         return
-    (name, (description, index)), others = found[0], [n for n, _ in found[1:]]
+    key, others = found[0], [str(other) for other in found[1:]]
+    if key in eager.values and key in compiled.values:
+        mismatch = close_mismatch(
+            str(key), eager.values[key], compiled.values[key], rtol, atol, _SIDES
+        )
+        assert mismatch is not None
+        description, index = mismatch.description, mismatch.index
+    else:
+        side = "eager" if key in eager.values else "the compiled run"
+        description, index = f"{key}: only {side} has it", None
     lines = [
         f"torch.compile's result differs from eager's for input set {input_set} (both ran "
         "forward and backward from the same parameters, buffers, RNG states and inputs):",
@@ -515,10 +426,10 @@ def _compare(
         )
     raise CompileMismatch(
         "\n".join(lines),
-        name=name,
+        name=str(key),
         index=index,
-        eager=eager.values.get(name),
-        compiled=compiled.values.get(name),
+        eager=eager.values.get(key),
+        compiled=compiled.values.get(key),
         input_set=input_set,
     )
 
@@ -577,18 +488,14 @@ def compile_check(
     ``max_recompiles``. Returns a :class:`CompileCheckResult`.
     """
     __tracebackhide__ = True
-    refuse_unknown_keywords(
-        "compile_check",
-        unknown,
-        ("forward_kwargs", "inputs_list", "backend", "mode", "dynamic", "max_graph_breaks",
-         "max_recompiles", "rtol", "atol"),
-    )  # fmt: skip
+    reject_unknown_keywords("compile_check", unknown, _OPTIONS)
     if not callable(model_or_fn):
         raise TypeError(
             f"compile_check: model_or_fn must be an nn.Module or a callable, got "
             f"{type(model_or_fn).__name__}"
         )
-    sets, kwargs = input_sets("compile_check", inputs, inputs_list, forward_kwargs)
+    kwargs = forward_kwargs_of("compile_check", forward_kwargs)
+    sets = input_sets("compile_check", inputs, inputs_list)
     _validate(backend, mode, dynamic, max_graph_breaks, max_recompiles, rtol, atol)
     started = time.perf_counter()
     decisions: list[control_flow.Decision] = []
@@ -596,32 +503,44 @@ def compile_check(
     with _fresh_compiler(backend), _graph_break_records() as records:
         compiled_target = torch.compile(model_or_fn, backend=backend, mode=mode, dynamic=dynamic)
         for number, arguments in enumerate(sets):
-            subject = _Subject(model_or_fn, arguments, kwargs)
-            cotangents = _Cotangents(0)
+            subject = Subject(model_or_fn, arguments, kwargs, failure=CompileCheckFailure)
+            cotangents = Cotangents(0)
             try:
                 with control_flow.record_decisions() as log:
-                    eager = _run_once(subject, cotangents)
+                    eager = run_once(subject, cotangents)
                 decisions.extend(log)
-                subject.target = compiled_target
-                compiled = _run_once(subject, cotangents)
+                compiled = run_once(subject, cotangents, call=compiled_target)
             finally:
                 subject.reset()
             _compare(eager, compiled, rtol, atol, number)
-            compared.update(eager.values)
+            compared.update(str(key) for key in eager.values)
             del eager, compiled
         graph_breaks = tuple(_graph_breaks(records.messages, decisions))
         recompiles = tuple(_recompiles(decisions))
     _check_budget(graph_breaks, max_graph_breaks, "max_graph_breaks", TooManyGraphBreaks)
     _check_budget(recompiles, max_recompiles, "max_recompiles", TooManyRecompiles)
     return CompileCheckResult(
-        function=_describe_callable(model_or_fn),
-        backend=backend if isinstance(backend, str) else _describe_callable(backend),
+        function=describe_callable(model_or_fn),
+        backend=backend if isinstance(backend, str) else describe_callable(backend),
         input_sets=len(sets),
         compared=tuple(sorted(compared)),
         graph_breaks=graph_breaks,
         recompiles=recompiles,
         seconds=time.perf_counter() - started,
     )
+
+
+_OPTIONS = (
+    "forward_kwargs",
+    "inputs_list",
+    "backend",
+    "mode",
+    "dynamic",
+    "max_graph_breaks",
+    "max_recompiles",
+    "rtol",
+    "atol",
+)
 
 
 def _check_budget(found: tuple, budget: int | None, option: str, error: type) -> None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import linecache
 import os
 import sys
 from collections.abc import Iterator, Sequence
@@ -37,6 +38,7 @@ __all__ = [
     "Decision",
     "DecisionLog",
     "DecisionMode",
+    "Location",
     "describe_divergence",
     "display_path",
     "first_divergence",
@@ -64,7 +66,34 @@ TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _PLUGIN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 # The plugin's torch function and dispatch modes sit between the user's call and torch.
 MODE_HANDLERS = frozenset({"__torch_function__", "__torch_dispatch__"})
-UNKNOWN_LOCATION = "<unknown location>"
+
+
+class Location(str):
+    """A line of the user's code: ``file:line`` as text, its parts as ``filename`` and ``line``.
+
+    A ``str`` so that reports and users' assertions (``"models.py:54" in ...``) read it
+    as the text it always was; the parts are kept, so nothing splits the text again.
+    """
+
+    filename: str
+    line: int
+
+    def __new__(cls, filename: str, line: int) -> Location:
+        text = f"{display_path(filename)}:{line}" if line > 0 else filename
+        location = super().__new__(cls, text)
+        location.filename, location.line = filename, line
+        return location
+
+    def __getnewargs__(self) -> tuple[str, int]:  # type: ignore[override]
+        return self.filename, self.line
+
+    @property
+    def source(self) -> str:
+        """The line's code, stripped; empty when the file cannot be read."""
+        return linecache.getline(self.filename, self.line).strip() if self.line > 0 else ""
+
+
+UNKNOWN_LOCATION = Location("<unknown location>", 0)
 
 
 @dataclass(frozen=True)
@@ -72,13 +101,13 @@ class Decision:
     """One data-dependent decision: the ``index``-th (from 1) of its run.
 
     ``op`` names the method (``Tensor.__bool__``), ``value`` is the Python value it
-    returned, ``location`` is ``file:line`` of the user's code that made it.
+    returned, ``location`` is the line of the user's code that made it.
     """
 
     index: int
     op: str
     value: Any
-    location: str
+    location: Location
 
     def same_as(self, other: Decision) -> bool:
         """Same op at the same place with the same value (NaN equal to NaN, -0.0 not 0.0)."""
@@ -108,7 +137,7 @@ class DecisionLog(Sequence[Decision]):
     def __repr__(self) -> str:
         return f"DecisionLog({len(self)} decisions)"
 
-    def _append(self, op: str, value: Any, location: str) -> None:
+    def _append(self, op: str, value: Any, location: Location) -> None:
         self._decisions.append(Decision(len(self._decisions) + 1, op, value, location))
 
 
@@ -203,8 +232,8 @@ def describe_divergence(
     )
 
 
-def user_location(frame: FrameType | None) -> str | None:
-    """``file:line`` of the user's code running ``frame``, or of its nearest user caller.
+def user_location(frame: FrameType | None) -> Location | None:
+    """The line of the user's code running ``frame``, or of its nearest user caller.
 
     Frames in torch and the plugin's own torch function and dispatch modes are
     skipped. ``None`` when the first other frame belongs to this plugin or the stack
@@ -217,13 +246,14 @@ def user_location(frame: FrameType | None) -> str | None:
             if frame.f_code.co_name not in MODE_HANDLERS:
                 return None
         elif not filename.startswith(TORCH_DIR):
-            return f"{display_path(filename)}:{frame.f_lineno}"
+            return Location(filename, frame.f_lineno)
         frame = frame.f_back
     return None
 
 
 @functools.cache
 def display_path(filename: str) -> str:
+    """``filename`` relative to the working folder when it lies inside it."""
     try:
         relative = os.path.relpath(filename)
     except ValueError:  # another drive on Windows

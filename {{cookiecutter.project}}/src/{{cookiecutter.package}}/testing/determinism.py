@@ -17,9 +17,8 @@ RNGs, all undone afterwards.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
-import functools
+import enum
 import io
 import os
 import pickle
@@ -28,7 +27,6 @@ import sys
 import tempfile
 import threading
 import warnings
-import zlib
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from types import FrameType
@@ -37,10 +35,35 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..gpus import version_tuple
 from . import calls, control_flow, global_state
+from .comparison import (
+    as_bits,
+    bitwise_equal,
+    describe_tensor_difference,
+    differing,
+    same_value,
+)
+from .failures import CheckFailure
+from .runs import Cotangents, Key, Kind, Run, run_once
+from .subject import Subject
+
+__all__ = [
+    "DEFAULT_SEED",
+    "CublasWorkspaceAction",
+    "DeterminismError",
+    "DeterminismResult",
+    "NondeterministicOpError",
+    "bitwise_equal",
+    "check_determinism",
+    "cublas_workspace_action",
+    "describe_tensor_difference",
+    "deterministic_mode",
+    "seed_everything",
+]
 
 DEFAULT_SEED = 0
 
@@ -54,7 +77,6 @@ DETERMINISTIC_CUBLAS_CONFIGS = (":4096:8", ":16:8")
 NO_DETERMINISTIC_IMPLEMENTATION = "does not have a deterministic implementation"
 CUBLAS_NOT_DETERMINISTIC = "it uses CuBLAS"
 
-_INTEGER_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _SITE_KEY = "determinism_check_forward_site"
 _LISTED_DIFFERENCES = 5
 _RANDOM_OPS = frozenset(
@@ -67,8 +89,10 @@ _RANDOM_OPS = frozenset(
 )
 
 
-class DeterminismError(AssertionError):
+class DeterminismError(CheckFailure):
     """Two runs from identical starting conditions gave different results."""
+
+    check = "autograd_determinism"
 
 
 class NondeterministicOpError(DeterminismError):
@@ -78,21 +102,25 @@ class NondeterministicOpError(DeterminismError):
 # --- the environment of the fixture --------------------------------------------------
 
 
+class CublasWorkspaceAction(enum.Enum):
+    """What the installed torch needs done about ``CUBLAS_WORKSPACE_CONFIG``."""
+
+    SET = "set"  # set it now, CUDA has not started yet
+    # Set it, and warn: CUDA already started, and if cuBLAS ran too, its handle keeps
+    # the workspace it was created with.
+    TOO_LATE = "too late"
+
+
 def cublas_workspace_action(
     torch_version: str, cuda_built: bool, cuda_initialized: bool, configured: str | None
-) -> str | None:
-    """What the installed torch needs done about ``CUBLAS_WORKSPACE_CONFIG``.
-
-    ``None``: nothing (torch no longer checks it, no CUDA, or it is already set to a
-    deterministic value). ``"set"``: set it now, CUDA has not started yet.
-    ``"too late"``: set it, and warn: CUDA already started, and if cuBLAS ran too, its
-    handle keeps the workspace it was created with.
-    """
+) -> CublasWorkspaceAction | None:
+    """What to do about ``CUBLAS_WORKSPACE_CONFIG``; ``None``: nothing (torch no longer
+    checks it, no CUDA, or it is already set to a deterministic value)."""
     if not cuda_built or configured in DETERMINISTIC_CUBLAS_CONFIGS:
         return None
     if version_tuple(torch_version)[:2] >= CUBLAS_CONFIG_CHECKED_BEFORE:
         return None
-    return "too late" if cuda_initialized else "set"
+    return CublasWorkspaceAction.TOO_LATE if cuda_initialized else CublasWorkspaceAction.SET
 
 
 def _configure_cublas_workspace() -> None:
@@ -104,7 +132,7 @@ def _configure_cublas_workspace() -> None:
     )
     if action is not None:
         os.environ[CUBLAS_WORKSPACE_VARIABLE] = DETERMINISTIC_CUBLAS_CONFIGS[0]
-    if action == "too late":
+    if action is CublasWorkspaceAction.TOO_LATE:
         warnings.warn(
             f"torch {torch.__version__} needs {CUBLAS_WORKSPACE_VARIABLE}="
             f"{DETERMINISTIC_CUBLAS_CONFIGS[0]} (or {DETERMINISTIC_CUBLAS_CONFIGS[1]}) before "
@@ -151,423 +179,7 @@ def deterministic_mode(seed: int = DEFAULT_SEED) -> Iterator[None]:
             os.environ[CUBLAS_WORKSPACE_VARIABLE] = cublas_config
 
 
-# --- naming the pieces of nested inputs and outputs ----------------------------------
-
-
-def _named_leaves(value: Any, name: str) -> Iterator[tuple[str, Any]]:
-    """``(name, leaf)`` for every leaf of nested tuples, lists, dicts and dataclasses."""
-    if isinstance(value, torch.Tensor):
-        yield name, value
-    elif isinstance(value, Mapping):
-        for key, item in value.items():
-            yield from _named_leaves(item, f"{name}[{key!r}]")
-    elif isinstance(value, tuple) and hasattr(value, "_fields"):
-        for field_name, item in zip(value._fields, value, strict=True):
-            yield from _named_leaves(item, f"{name}.{field_name}")
-    elif isinstance(value, list | tuple):
-        for index, item in enumerate(value):
-            yield from _named_leaves(item, f"{name}[{index}]")
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        for field in dataclasses.fields(value):
-            yield from _named_leaves(getattr(value, field.name), f"{name}.{field.name}")
-    else:
-        yield name, value
-
-
-def _map_tensors(value: Any, function: Callable[[torch.Tensor], Any]) -> Any:
-    """``value`` with every tensor in nested containers replaced by ``function(tensor)``."""
-    if isinstance(value, torch.Tensor):
-        return function(value)
-    if isinstance(value, Mapping):
-        items = {key: _map_tensors(item, function) for key, item in value.items()}
-        try:
-            return type(value)(items)
-        except TypeError:
-            return items
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_map_tensors(item, function) for item in value))
-    if isinstance(value, list | tuple):
-        return type(value)(_map_tensors(item, function) for item in value)
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        changes = {
-            f.name: _map_tensors(getattr(value, f.name), function)
-            for f in dataclasses.fields(value)
-            if f.init
-        }
-        return dataclasses.replace(value, **changes)
-    return value
-
-
-def _comparable(value: Any) -> bool:
-    return value is None or isinstance(
-        value, torch.Tensor | bool | int | float | complex | str | bytes
-    )
-
-
-# --- bitwise comparison --------------------------------------------------------------
-
-
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    """The tensor's elements as integers with the same bits (NaN and -0.0 kept apart)."""
-    tensor = tensor.detach()
-    if tensor.layout != torch.strided:
-        tensor = tensor.to_dense()
-    tensor = tensor.resolve_conj().resolve_neg()
-    if tensor.is_complex():
-        tensor = torch.view_as_real(tensor)
-    if tensor.dtype == torch.bool:
-        return tensor.view(torch.uint8)
-    if tensor.is_floating_point():
-        return tensor.view(_INTEGER_OF_SIZE[tensor.element_size()])
-    return tensor
-
-
-@functools.cache
-def _memcmp() -> Callable[[int, int, int], int] | None:
-    """The C library's ``memcmp``, which this process has loaded already; None without one."""
-    try:
-        memcmp = ctypes.CDLL(None).memcmp
-    except (OSError, AttributeError, TypeError):
-        return None
-    memcmp.restype = ctypes.c_int
-    memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
-    return memcmp
-
-
-def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Same dtype, shape, device and bits in every element."""
-    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
-        return False
-    a_bits, b_bits = _bits(a), _bits(b)
-    memcmp = _memcmp()
-    if (
-        memcmp is not None
-        and a_bits.device.type == "cpu"
-        and type(a_bits) is torch.Tensor
-        and type(b_bits) is torch.Tensor
-        and a_bits.is_contiguous()
-        and b_bits.is_contiguous()
-    ):
-        # The comparison is what the check adds to the passes: memcmp reads the two
-        # gradients several times faster than torch.equal does on one thread.
-        size = a_bits.numel() * a_bits.element_size()
-        return size == 0 or memcmp(a_bits.data_ptr(), b_bits.data_ptr(), size) == 0
-    return torch.equal(a_bits, b_bits)
-
-
-def _format_number(value: Any) -> str:
-    return f"{value:.9g}" if isinstance(value, float) else repr(value)
-
-
-def describe_tensor_difference(name: str, a: torch.Tensor, b: torch.Tensor, run: int) -> str:
-    """One line: how many elements differ, the largest difference, the first differing one."""
-    if a.dtype != b.dtype or a.shape != b.shape or a.device != b.device:
-        return (
-            f"{name}: {a.dtype} {tuple(a.shape)} on {a.device} in run 1, "
-            f"{b.dtype} {tuple(b.shape)} on {b.device} in run {run}"
-        )
-    a, b = a.detach(), b.detach()
-    differs = _bits(a) != _bits(b)
-    if differs.dim() > a.dim():  # complex: real and imaginary part
-        differs = differs.any(dim=-1)
-    parts = [f"{int(differs.sum())} of {a.numel()} elements differ"]
-    if a.is_floating_point() or a.is_complex():
-        wide = torch.complex128 if a.is_complex() else torch.float64
-        x, y = a[differs].to(wide), b[differs].to(wide)
-        nan_in_one = x.isnan() ^ y.isnan()
-        numbers = ~(x.isnan() | y.isnan())
-        if numbers.any():
-            largest = float((x[numbers] - y[numbers]).abs().max())
-            parts.append(
-                f"largest absolute difference {largest:.3g}"
-                if largest
-                else "equal values with different bits (0.0 and -0.0)"
-            )
-        if nan_in_one.any():
-            parts.append(f"{int(nan_in_one.sum())} NaN in one run only")
-    else:
-        gap = (a[differs].long() - b[differs].long()).abs().max()
-        parts.append(f"largest absolute difference {int(gap)}")
-    first = tuple(int(i) for i in differs.nonzero()[0])
-    parts[-1] += (
-        f" (first at {list(first)}: {_format_number(a[first].item())} in run 1, "
-        f"{_format_number(b[first].item())} in run {run})"
-    )
-    return f"{name}: " + ", ".join(parts)
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return bitwise_equal(a, b)
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return False
-    return type(a) is type(b) and repr(a) == repr(b)  # repr: NaN equals NaN, -0.0 is not 0.0
-
-
-def _describe_difference(name: str, a: Any, b: Any, run: int) -> str:
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        return describe_tensor_difference(name, a, b, run)
-    return f"{name}: {_summary(name, a)} in run 1, {_summary(name, b)} in run {run}"
-
-
-def _summary(name: str, value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    if value is None and name.startswith("grad of "):
-        return "None (the backward pass did not reach it)"
-    return repr(value)
-
-
-def _differences(
-    reference: dict[str, Any], other: dict[str, Any], run: int
-) -> list[tuple[str, str | None]]:
-    """``(name, description)`` of each entry that differs; only the first is described."""
-    found: list[tuple[str, str | None]] = []
-    for name in [*reference, *(n for n in other if n not in reference)]:
-        if name not in reference or name not in other:
-            where = "run 1" if name in reference else f"run {run}"
-            found.append((name, f"{name}: present only in {where}"))
-        elif not _same(reference[name], other[name]):
-            first = not found
-            a, b = reference[name], other[name]
-            found.append((name, _describe_difference(name, a, b, run) if first else None))
-    return found
-
-
-# --- one run from the starting conditions --------------------------------------------
-
-
-@dataclasses.dataclass
-class _RunResult:
-    outputs: Any
-    values: dict[str, Any]
-
-
-class _Subject:
-    """The model or function under test, with the state every run starts from."""
-
-    def __init__(self, target: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> None:
-        __tracebackhide__ = True
-        self.target = target
-        self.args = args
-        self.kwargs = kwargs
-        self.roots = calls.reached_modules(target)
-        self.input_names = calls.input_names(target, len(args))
-        modules = [
-            (f"{prefix}.{name}" if prefix and name else prefix or name, module)
-            for prefix, root in self.roots
-            for name, module in root.named_modules(remove_duplicate=False)
-        ]
-        # Buffers and frozen parameters are copied: forwards update them (running
-        # statistics, momentum encoders), not always with a bump of the version counter,
-        # so they are compared by value. Trainable parameters are not copied, which
-        # would cost as much as a backward's gradients: autograd refuses in-place
-        # changes to them, and the ones made anyway (under no_grad) bump the counter.
-        self._parameter_state: list[_Slot] = []
-        self._buffer_state: list[_Slot] = []
-        self.parameters: list[tuple[str, torch.Tensor]] = []
-        copies: dict[int, torch.Tensor | None] = {}
-        for prefix, submodule in modules:
-            for slots, tensors in (
-                (self._parameter_state, submodule._parameters),
-                (self._buffer_state, submodule._buffers),
-            ):
-                for key, tensor in tensors.items():
-                    if tensor is None:
-                        continue
-                    name = f"{prefix}.{key}" if prefix else key
-                    if id(tensor) not in copies:
-                        trainable = isinstance(tensor, nn.Parameter) and tensor.requires_grad
-                        copies[id(tensor)] = None if trainable else tensor.detach().clone()
-                        if trainable:
-                            self.parameters.append((name, tensor))
-                    slots.append(_Slot(tensors, key, name, tensor, copies[id(tensor)]))
-        calls.reject_data_less(
-            "autograd_determinism",
-            [
-                *(
-                    (n, t)
-                    for n, t in self._named_inputs(args, kwargs)
-                    if isinstance(t, torch.Tensor)
-                ),
-                *((f"parameter {slot.name}", slot.tensor) for slot in self._parameter_state),
-                *((f"buffer {slot.name}", slot.tensor) for slot in self._buffer_state),
-            ],
-        )
-        self.graph_checked = False
-        self._versions = [slot.tensor._version for slot in self._parameter_state]
-        self._rngs = global_state.rng_states()
-        self._ran = False  # whether a run may have changed the state since the last reset
-        self._differentiate_all_inputs = not self.parameters and not any(
-            isinstance(t, torch.Tensor) and t.requires_grad
-            for _, t in _named_leaves((args, kwargs), "")
-        )
-
-    def reset(self) -> None:
-        """Parameters, buffers and RNG states as they were when the check started."""
-        if not self._ran:
-            return
-        with torch.no_grad():
-            for position, slot in enumerate(self._parameter_state):
-                slot.put_back()
-                if slot.tensor._version == self._versions[position]:
-                    continue
-                if slot.saved is None:
-                    self._versions[position] = slot.tensor._version  # reported once
-                    raise DeterminismError(
-                        f"The forward changed the trainable parameter {slot.name} in place "
-                        "(under torch.no_grad() or through .data), so the next run cannot "
-                        "start from the same value, and the model keeps the change. Change "
-                        "it outside the forward, or keep the value in a buffer."
-                    )
-                slot.tensor.copy_(slot.saved)
-                self._versions[position] = slot.tensor._version
-            for slot in self._buffer_state:
-                slot.put_back()
-                if not bitwise_equal(slot.tensor, slot.saved):
-                    slot.tensor.copy_(slot.saved)
-        for rng in self._rngs:
-            rng.set_state(rng.raw)
-        self._ran = False
-
-    def fresh_inputs(self) -> tuple[tuple, dict[str, Any], list[tuple[str, torch.Tensor]]]:
-        """Copies of the inputs (aliasing kept) and the ones to differentiate, by name."""
-        self._ran = True
-        copies: dict[int, torch.Tensor] = {}
-        differentiated: list[tuple[str, torch.Tensor]] = []
-
-        def copy(tensor: torch.Tensor) -> torch.Tensor:
-            if id(tensor) not in copies:
-                clone = tensor.detach().clone()
-                if (tensor.requires_grad or self._differentiate_all_inputs) and (
-                    clone.is_floating_point() or clone.is_complex()
-                ):
-                    clone.requires_grad_(True)
-                copies[id(tensor)] = clone
-            return copies[id(tensor)]
-
-        args = _map_tensors(self.args, copy)
-        kwargs = _map_tensors(self.kwargs, copy)
-        seen: set[int] = set()
-        for name, leaf in self._named_inputs(args, kwargs):
-            if isinstance(leaf, torch.Tensor) and leaf.requires_grad and id(leaf) not in seen:
-                seen.add(id(leaf))
-                differentiated.append((name, leaf))
-        return args, kwargs, differentiated
-
-    def _named_inputs(self, args: tuple, kwargs: dict[str, Any]) -> Iterator[tuple[str, Any]]:
-        """``("input x[0]", leaf)`` for each leaf of the inputs, named as :mod:`.calls` says."""
-        named = [*zip(self.input_names, args, strict=True), *kwargs.items()]
-        for key, value in named:
-            yield from _named_leaves(value, f"input {key}")
-
-    def changed_buffers(self) -> dict[str, Any]:
-        """Copies of the buffers the run changed (in place or by assignment)."""
-        changed = {}
-        for slot in self._buffer_state:
-            current = slot.owner.get(slot.key)
-            if current is not slot.tensor or not bitwise_equal(current, slot.saved):
-                changed[f"buffer {slot.name} after the run"] = (
-                    current.detach().clone() if isinstance(current, torch.Tensor) else current
-                )
-        return changed
-
-
-@dataclasses.dataclass(frozen=True)
-class _Slot:
-    """Where a module keeps one parameter or buffer, the tensor and its starting value."""
-
-    owner: dict[str, Any]
-    key: str
-    name: str
-    tensor: torch.Tensor
-    saved: torch.Tensor | None  # None for trainable parameters (see _Subject)
-
-    def put_back(self) -> None:
-        if self.owner.get(self.key) is not self.tensor:
-            self.owner[self.key] = self.tensor
-
-
-class _Cotangents:
-    """One fixed random cotangent per differentiated output, the same in every run."""
-
-    def __init__(self, seed: int) -> None:
-        self.seed = seed
-        self.samples: dict[tuple, torch.Tensor] = {}  # by (output name, shape, dtype, device)
-
-    def __call__(self, name: str, output: torch.Tensor) -> torch.Tensor:
-        key = (name, tuple(output.shape), output.dtype, output.device)
-        if key not in self.samples:
-            generator = torch.Generator().manual_seed(self.seed + zlib.crc32(name.encode()))
-            dtype = (
-                output.dtype
-                if output.dtype in (torch.float64, torch.complex128)
-                else (torch.complex64 if output.is_complex() else torch.float32)
-            )
-            sample = torch.randn(output.shape, generator=generator, dtype=dtype)
-            self.samples[key] = sample.to(device=output.device, dtype=output.dtype)
-        return self.samples[key]
-
-
-def _run_once(
-    subject: _Subject,
-    cotangents: _Cotangents,
-    recording: contextlib.AbstractContextManager[Any] | None = None,
-) -> _RunResult:
-    """One forward and backward from the starting conditions, under ``recording`` if given."""
-    subject.reset()
-    args, kwargs, differentiated_inputs = subject.fresh_inputs()
-    try:
-        with recording or contextlib.nullcontext():
-            outputs = subject.target(*args, **kwargs)
-            leaves = list(_named_leaves(outputs, "output"))
-            if not subject.graph_checked:
-                subject.graph_checked = True
-                if calls.reentrant_checkpoint(t for _, t in leaves):
-                    raise ValueError(
-                        calls.REENTRANT_CHECKPOINT.format(check="autograd_determinism")
-                    )
-            wrt = [*subject.parameters, *differentiated_inputs]
-            grads = _gradients(leaves, wrt, cotangents)
-    except RuntimeError as error:
-        if NO_DETERMINISTIC_IMPLEMENTATION in str(error) or CUBLAS_NOT_DETERMINISTIC in str(error):
-            raise _NondeterministicOpRaised(error) from error
-        raise
-    values: dict[str, Any] = {
-        name: leaf.detach() if isinstance(leaf, torch.Tensor) else leaf
-        for name, leaf in leaves
-        if _comparable(leaf)
-    }
-    values.update(grads)
-    values.update(subject.changed_buffers())
-    return _RunResult(_map_tensors(outputs, torch.Tensor.detach), values)
-
-
-def _gradients(
-    leaves: list[tuple[str, Any]], wrt: list[tuple[str, torch.Tensor]], cotangents: _Cotangents
-) -> dict[str, torch.Tensor | None]:
-    """``grad of <name>`` for each tensor in ``wrt``: the cotangents pulled back to it.
-
-    ``torch.autograd.grad`` leaves ``.grad`` alone and runs no post-accumulate hooks
-    (an optimizer step in a hook would otherwise change the model mid-check).
-    """
-    names = [f"grad of {name}" for name, _ in wrt]
-    differentiable = [
-        (name, t)
-        for name, t in leaves
-        if isinstance(t, torch.Tensor)
-        and t.requires_grad
-        and (t.is_floating_point() or t.is_complex())
-    ]
-    if not differentiable or not wrt:
-        return dict.fromkeys(names)
-    grads = torch.autograd.grad(
-        [t for _, t in differentiable],
-        [t for _, t in wrt],
-        [cotangents(name, t) for name, t in differentiable],
-        allow_unused=True,
-    )
-    return dict(zip(names, grads, strict=True))
+# --- one run, with deterministic mode's refusals told apart -----------------------------
 
 
 class _NondeterministicOpRaised(Exception):
@@ -576,13 +188,28 @@ class _NondeterministicOpRaised(Exception):
         self.error = error
 
 
+def _run(
+    subject: Subject,
+    cotangents: Cotangents,
+    recording: contextlib.AbstractContextManager[Any] | None = None,
+) -> Run:
+    """:func:`.runs.run_once`; an op that deterministic mode refused raises
+    ``_NondeterministicOpRaised``, which the check turns into its own error."""
+    try:
+        return run_once(subject, cotangents, recording=recording)
+    except RuntimeError as error:
+        if NO_DETERMINISTIC_IMPLEMENTATION in str(error) or CUBLAS_NOT_DETERMINISTIC in str(error):
+            raise _NondeterministicOpRaised(error) from error
+        raise
+
+
 # --- localization: op fingerprints and decisions -------------------------------------
 
 
 def _fingerprint(value: Any) -> Any:
     """A position-sensitive hash of a tensor's bits; integer sums wrap, so it is exact."""
     if isinstance(value, torch.Tensor):
-        bits = _bits(value).reshape(-1).to(torch.int64)
+        bits = as_bits(value).reshape(-1).to(torch.int64)
         weights = torch.arange(bits.numel(), dtype=torch.int64, device=bits.device)
         weights = weights * 2654435761 + 40503
         return (
@@ -593,7 +220,8 @@ def _fingerprint(value: Any) -> Any:
         )
     if isinstance(value, list | tuple):
         return tuple(_fingerprint(item) for item in value)
-    return value if _comparable(value) else type(value).__name__
+    plain = value is None or isinstance(value, bool | int | float | complex | str | bytes)
+    return value if plain else type(value).__name__
 
 
 @dataclasses.dataclass
@@ -661,7 +289,7 @@ class _GraphTagger(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
-        pending = [t.grad_fn for _, t in _named_leaves(result, "") if isinstance(t, torch.Tensor)]
+        pending = [t.grad_fn for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
         site = None
         while pending:
             node = pending.pop()
@@ -729,7 +357,7 @@ class _RecordedRun:
     seed_after: int
 
 
-def _recorded_run(subject: _Subject, cotangents: _Cotangents) -> _RecordedRun:
+def _recorded_run(subject: Subject, cotangents: Cotangents) -> _RecordedRun:
     modules = _ModuleStack(subject.roots)
     recorder = _OpRecorder(modules)
     logs: list[control_flow.DecisionLog] = []
@@ -760,7 +388,7 @@ def _recorded_run(subject: _Subject, cotangents: _Cotangents) -> _RecordedRun:
             threading.settrace(None)  # type: ignore[arg-type]
 
     with contextlib.suppress(_NondeterministicOpRaised):  # recorded as failed_site
-        _run_once(subject, cotangents, recording())
+        _run(subject, cotangents, recording())
     return _RecordedRun(logs[0], recorder, tuple(sorted(threads)), torch.initial_seed())
 
 
@@ -815,7 +443,7 @@ def _first_op_difference(
     return None
 
 
-def _localize(subject: _Subject, cotangents: _Cotangents, attempts: int) -> list[str]:
+def _localize(subject: Subject, cotangents: Cotangents, attempts: int) -> list[str]:
     """Rerun under the recorders until a rerun differs from the first; say where.
 
     A rerun whose values differ but whose branches agree is kept, and reruns go on
@@ -891,37 +519,41 @@ class DeterminismResult:
     runs: int
 
 
-def _result(subject: _Subject, run: _RunResult, runs: int) -> DeterminismResult:
-    parameter_names = {name for name, _ in subject.parameters}
-    grads = {
-        name.removeprefix("grad of "): value
-        for name, value in run.values.items()
-        if name.startswith("grad of ")
-    }
-    buffers = {
-        name.removeprefix("buffer ").removesuffix(" after the run"): value
-        for name, value in run.values.items()
-        if name.startswith("buffer ")
-    }
+def _result(run: Run, runs: int) -> DeterminismResult:
     return DeterminismResult(
         outputs=run.outputs,
-        parameter_grads={k: v for k, v in grads.items() if k in parameter_names},
-        input_grads={
-            k.removeprefix("input "): v for k, v in grads.items() if k not in parameter_names
-        },
-        buffers=buffers,
+        parameter_grads=run.of_kind(Kind.PARAMETER_GRAD),
+        input_grads=run.of_kind(Kind.INPUT_GRAD),
+        buffers=run.of_kind(Kind.BUFFER),
         runs=runs,
     )
 
 
-def _mismatch_report(differences: list[tuple[str, str | None]], label: str) -> list[str]:
-    first = differences[0][1]
+def _describe(key: Key, reference: Run, other: Run, run: int) -> str:
+    """One line on how ``key`` differs between run 1 (``reference``) and ``other``."""
+    if key not in reference.values or key not in other.values:
+        return f"{key}: present only in {'run 1' if key in reference.values else f'run {run}'}"
+    a, b = reference.values[key], other.values[key]
+    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+        return describe_tensor_difference(str(key), a, b, run)
+
+    def summary(value: Any) -> str:
+        if isinstance(value, torch.Tensor):
+            return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+        if value is None and key.kind in (Kind.PARAMETER_GRAD, Kind.INPUT_GRAD):
+            return "None (the backward pass did not reach it)"
+        return repr(value)
+
+    return f"{key}: {summary(a)} in run 1, {summary(b)} in run {run}"
+
+
+def _mismatch_report(differing_keys: list[Key], first: str, label: str) -> list[str]:
     lines = [
         f"{label} differs from run 1 although both started from the same parameters, "
         "buffers, RNG states and inputs:",
         f"  {first}",
     ]
-    others = [name for name, _ in differences[1:]]
+    others = [str(key) for key in differing_keys[1:]]
     if others:
         listed = ", ".join(others[:_LISTED_DIFFERENCES])
         more = len(others) - _LISTED_DIFFERENCES
@@ -930,7 +562,7 @@ def _mismatch_report(differences: list[tuple[str, str | None]], label: str) -> l
 
 
 def _nondeterministic_op_error(
-    subject: _Subject, cotangents: _Cotangents, raised: _NondeterministicOpRaised
+    subject: Subject, cotangents: Cotangents, raised: _NondeterministicOpRaised
 ) -> NondeterministicOpError:
     message = str(raised.error)
     rerun = _recorded_run(subject, cotangents)
@@ -1011,21 +643,22 @@ def check_determinism(
         )
     if not isinstance(cross_process, bool):
         raise TypeError(f"cross_process must be True or False, got {cross_process!r}")
-    subject = _Subject(model_or_function, inputs, kwargs)
-    cotangents = _Cotangents(cotangent_seed)
+    subject = Subject(model_or_function, inputs, kwargs, failure=DeterminismError)
+    cotangents = Cotangents(cotangent_seed)
     payload = b""
     try:
-        reference = _run_once(subject, cotangents)
+        reference = _run(subject, cotangents)
         if cross_process:
             payload = _child_payload(subject, cotangents)
         for run in range(2, runs + 1):
             in_child = cross_process and run == runs
-            other = _run_in_child(payload) if in_child else _run_once(subject, cotangents)
-            differences = _differences(reference.values, other.values, run)
+            other = _run_in_child(payload) if in_child else _run(subject, cotangents)
+            differing_keys = differing(reference.values, other.values, same_value)
+            first = _describe(differing_keys[0], reference, other, run) if differing_keys else ""
             del other  # freed before the next run, which then reuses its memory
-            if differences:
+            if differing_keys:
                 label = f"Run {run} of {runs}" + (" (in a fresh process)" if in_child else "")
-                lines = _mismatch_report(differences, label)
+                lines = _mismatch_report(differing_keys, first, label)
                 if in_child:
                     agreed = "the in-process runs agreed, so " if runs > 2 else ""
                     lines.append(
@@ -1040,13 +673,13 @@ def check_determinism(
         raise _nondeterministic_op_error(subject, cotangents, raised) from None
     finally:
         subject.reset()
-    return _result(subject, reference, runs)
+    return _result(reference, runs)
 
 
 # --- the cross-process run ------------------------------------------------------------
 
 
-def _child_payload(subject: _Subject, cotangents: _Cotangents) -> bytes:
+def _child_payload(subject: Subject, cotangents: Cotangents) -> bytes:
     """The pickled request for a run in a fresh process: what to run and from which state."""
     subject.reset()
     start = global_state.snapshot()  # torch settings (thread count included) and RNG states
@@ -1072,7 +705,7 @@ def _child_payload(subject: _Subject, cotangents: _Cotangents) -> bytes:
     return buffer.getvalue()
 
 
-def _run_in_child(payload: bytes) -> _RunResult:
+def _run_in_child(payload: bytes) -> Run:
     with tempfile.TemporaryDirectory(prefix="determinism-") as folder:
         request, response = Path(folder, "request.pt"), Path(folder, "response.pt")
         request.write_bytes(payload)
@@ -1090,7 +723,7 @@ def _run_in_child(payload: bytes) -> _RunResult:
                 f"{finished.stderr.strip()[-3000:]}"
             )
         loaded = torch.load(response, weights_only=False)
-    return _RunResult(loaded["outputs"], loaded["values"])
+    return Run(loaded["outputs"], loaded["values"])
 
 
 def _child_main(request: str, response: str) -> None:
@@ -1099,10 +732,12 @@ def _child_main(request: str, response: str) -> None:
     for rng in global_state.rng_states():
         if rng.name in payload["rngs"]:
             rng.set_state(payload["rngs"][rng.name])
-    subject = _Subject(payload["target"], payload["args"], payload["kwargs"])
-    cotangents = _Cotangents(payload["cotangent_seed"])
+    subject = Subject(
+        payload["target"], payload["args"], payload["kwargs"], failure=DeterminismError
+    )
+    cotangents = Cotangents(payload["cotangent_seed"])
     cotangents.samples.update(payload["cotangents"])
-    result = _run_once(subject, cotangents)
+    result = _run(subject, cotangents)
     torch.save({"outputs": result.outputs, "values": result.values}, response)
 
 

@@ -26,18 +26,23 @@ import torch
 from torch import nn
 
 from . import control_flow
-from .compile_check import _mismatch, input_sets, refuse_unknown_keywords
-from .determinism import _named_leaves, _Subject
-from .gradcheck import _describe_callable
+from .calls import forward_kwargs_of, input_sets, reject_unknown_keywords
+from .comparison import close_mismatch
+from .failures import CheckFailure
+from .naming import describe_callable
+from .subject import Subject
+from .trees import named_leaves
 
-__all__ = ["ExportBlocked", "ExportCheckFailure", "ExportMismatch", "export_check"]
+__all__ = ["ExportBlocked", "ExportCheckFailure", "ExportMismatch", "export_check", "summary"]
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _PLUGIN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 
 
-class ExportCheckFailure(AssertionError):
+class ExportCheckFailure(CheckFailure):
     """``export_check`` failed; ``torch_error`` is torch's own exception, if it raised one."""
+
+    check = "export_check"
 
     def __init__(self, message: str, torch_error: BaseException | None = None) -> None:
         super().__init__(message)
@@ -51,7 +56,7 @@ class ExportBlocked(ExportCheckFailure):
         self,
         message: str,
         *,
-        location: str | None,
+        location: control_flow.Location | None,
         decision: control_flow.Decision | None,
         rewrite: str | None,
         torch_error: BaseException,
@@ -74,6 +79,7 @@ class _FunctionModule(nn.Module):
     def __init__(self, function: Callable[..., Any]) -> None:
         super().__init__()
         self.function = function
+        self.__wrapped__ = function  # inputs are named by the function's parameters
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.function(*args, **kwargs)
@@ -95,7 +101,7 @@ def export_check(
     The program is exported from ``inputs`` (or the first tuple of ``inputs_list``)
     and ``forward_kwargs``, with ``dynamic_shapes`` and ``strict`` passed to
     ``torch.export.export``, then run on every input set and compared with the eager
-    forward (tolerances of :data:`.compile_check.DEFAULT_TOLERANCES`). Parameters,
+    forward (tolerances of :data:`.comparison.DEFAULT_TOLERANCES`). Parameters,
     buffers and RNG states are put back after each run.
 
     Raises :class:`ExportBlocked` when torch refuses to export, naming the user's line
@@ -104,7 +110,7 @@ def export_check(
     :class:`ExportCheckFailure` when the program refuses an input set.
     """
     __tracebackhide__ = True
-    refuse_unknown_keywords(
+    reject_unknown_keywords(
         "export_check", unknown, ("forward_kwargs", "inputs_list", "dynamic_shapes", "strict")
     )
     if not callable(model_or_fn):
@@ -114,17 +120,18 @@ def export_check(
         )
     if not isinstance(strict, bool):
         raise TypeError(f"export_check: strict must be True or False, got {strict!r}")
-    sets, kwargs = input_sets("export_check", inputs, inputs_list, forward_kwargs)
+    kwargs = forward_kwargs_of("export_check", forward_kwargs)
+    sets = input_sets("export_check", inputs, inputs_list)
     module = model_or_fn if isinstance(model_or_fn, nn.Module) else _FunctionModule(model_or_fn)
-    name = _describe_callable(model_or_fn)
-    subject = _Subject(module, sets[0], kwargs)
-    args, fresh_kwargs, _ = subject.fresh_inputs()
+    name = describe_callable(model_or_fn)
+    subject = Subject(module, sets[0], kwargs, failure=ExportCheckFailure)
+    fresh = subject.fresh_inputs()
     torch_output = io.StringIO()
     try:
         # torch prints the partial FX graph of a failed export to stderr.
         with contextlib.redirect_stderr(torch_output):
             program = torch.export.export(
-                module, args, fresh_kwargs, dynamic_shapes=dynamic_shapes, strict=strict
+                module, fresh.args, fresh.kwargs, dynamic_shapes=dynamic_shapes, strict=strict
             )
     except Exception as error:  # every refusal is explained the same way
         subject.reset()
@@ -135,20 +142,27 @@ def export_check(
         sys.stderr.write(torch_output.getvalue())
     exported = program.module()
     for number, arguments in enumerate(sets):
-        _compare(name, subject, _Subject(module, arguments, kwargs), exported, number)
+        _compare(
+            name, Subject(module, arguments, kwargs, failure=ExportCheckFailure), exported, number
+        )
     return program
 
 
-def _compare(name: str, start: _Subject, subject: _Subject, exported: Any, number: int) -> None:
+def summary(program: torch.export.ExportedProgram) -> str:
+    """The line the ``export_check`` fixture reports for a passing check."""
+    return f"export_check: exported {len(program.graph.nodes)} graph nodes"
+
+
+def _compare(name: str, subject: Subject, exported: Any, number: int) -> None:
     __tracebackhide__ = True
     try:
         with torch.no_grad():
-            args, kwargs, _ = subject.fresh_inputs()
-            eager = subject.target(*args, **kwargs)
+            fresh = subject.fresh_inputs()
+            eager = subject.target(*fresh.args, **fresh.kwargs)
             subject.reset()
-            args, kwargs, _ = subject.fresh_inputs()
+            fresh = subject.fresh_inputs()
             try:
-                program_output = exported(*args, **kwargs)
+                program_output = exported(*fresh.args, **fresh.kwargs)
             except Exception as error:
                 first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
                 raise ExportCheckFailure(
@@ -160,17 +174,21 @@ def _compare(name: str, start: _Subject, subject: _Subject, exported: Any, numbe
                 ) from None
     finally:
         subject.reset()
-    eager_values = dict(_named_leaves(eager, "output"))
-    program_values = dict(_named_leaves(program_output, "output"))
-    for output in eager_values.keys() | program_values.keys():
-        difference = _mismatch(
-            output, eager_values.get(output), program_values.get(output), None, None
+    eager_values = dict(named_leaves(eager, "output"))
+    program_values = dict(named_leaves(program_output, "output"))
+    for output in [*eager_values, *(n for n in program_values if n not in eager_values)]:
+        difference = close_mismatch(
+            output,
+            eager_values.get(output),
+            program_values.get(output),
+            None,
+            None,
+            ("eager", "exported"),
         )
         if difference:
-            description = difference[0].replace(" compiled", " exported")
             raise ExportMismatch(
                 f"The program exported from {name} differs from eager for input set {number}:\n"
-                f"  {description}",
+                f"  {difference.description}",
                 name=output,
                 input_set=number,
             )
@@ -183,7 +201,7 @@ def _is_user_file(filename: str) -> bool:
     return not filename.startswith((_TORCH_DIR, _PLUGIN_DIR, "<"))
 
 
-def _user_line(error: BaseException) -> tuple[str, int] | None:
+def _user_line(error: BaseException) -> control_flow.Location | None:
     """The innermost line of user code torch was running when it gave up."""
     stack = getattr(error, "real_stack", None) or []
     frames = [(frame.filename, frame.lineno) for frame in stack]
@@ -191,7 +209,7 @@ def _user_line(error: BaseException) -> tuple[str, int] | None:
         frames = [
             (f.f_code.co_filename, line) for f, line in traceback.walk_tb(error.__traceback__)
         ]
-    user = [(f, line) for f, line in frames if _is_user_file(f) and line]
+    user = [control_flow.Location(f, line) for f, line in frames if _is_user_file(f) and line]
     return user[-1] if user else None
 
 
@@ -208,12 +226,11 @@ def _is_data_dependent(error: BaseException) -> bool:
     )
 
 
-def _blocked(name: str, subject: _Subject, error: BaseException) -> ExportCheckFailure:
+def _blocked(name: str, subject: Subject, error: BaseException) -> ExportCheckFailure:
     where = _user_line(error)
-    location = f"{control_flow.display_path(where[0])}:{where[1]}" if where else None
     if not _is_data_dependent(error):
         first = str(error).strip().split("\n\n")[0]
-        at = f" at {location}: `{_source(where)}`" if where else ""
+        at = f" at {where}: `{where.source}`" if where else ""
         return ExportCheckFailure(
             f"torch.export could not export {name}{at}:\n  {type(error).__name__}: {first}",
             error,
@@ -222,8 +239,8 @@ def _blocked(name: str, subject: _Subject, error: BaseException) -> ExportCheckF
     rewrite = _rewrite(where, decision) if where else None
     lines = [f"torch.export cannot export {name}: its forward makes a data-dependent decision"]
     if where:
-        lines[0] += f" at {location}:"
-        lines.append(f"    {_source(where)}")
+        lines[0] += f" at {where}:"
+        lines.append(f"    {where.source}")
     if decision:
         lines.append(
             f"  decision in the eager run: {decision.op} -> {decision.value!r} "
@@ -236,37 +253,31 @@ def _blocked(name: str, subject: _Subject, error: BaseException) -> ExportCheckF
     if rewrite:
         lines.append(rewrite)
     return ExportBlocked(
-        "\n".join(lines), location=location, decision=decision, rewrite=rewrite, torch_error=error
+        "\n".join(lines), location=where, decision=decision, rewrite=rewrite, torch_error=error
     )
 
 
-def _source(where: tuple[str, int] | None) -> str:
-    return linecache.getline(*where).strip() if where else ""
-
-
-def _decision_at(subject: _Subject, where: tuple[str, int] | None) -> control_flow.Decision | None:
+def _decision_at(
+    subject: Subject, where: control_flow.Location | None
+) -> control_flow.Decision | None:
     """The decision the eager forward made at ``where`` (else the last one before it)."""
-    args, kwargs, _ = subject.fresh_inputs()
+    fresh = subject.fresh_inputs()
     try:
         with torch.no_grad(), control_flow.record_decisions() as log:
-            subject.target(*args, **kwargs)
+            subject.target(*fresh.args, **fresh.kwargs)
     except Exception:  # the eager run is only a hint here
         pass
     finally:
         subject.reset()
     if where is None:
         return log[0] if len(log) else None
-    location = f"{control_flow.display_path(where[0])}:{where[1]}"
-    same_line = [d for d in log if d.location == location]
+    same_line = [d for d in log if d.location == where]
     if same_line:
         return same_line[0]
-    prefix = location.rsplit(":", 1)[0] + ":"
-
-    def line_of(decision: control_flow.Decision) -> int:
-        return int(decision.location.rsplit(":", 1)[1])
-
-    earlier = [d for d in log if d.location.startswith(prefix) and line_of(d) < where[1]]
-    return max(earlier, key=line_of) if earlier else None
+    earlier = [
+        d for d in log if d.location.filename == where.filename and d.location.line < where.line
+    ]
+    return max(earlier, key=lambda d: d.location.line) if earlier else None
 
 
 class _Source:
@@ -301,12 +312,12 @@ def _test_lines(node: ast.AST) -> tuple[int, int]:
     return part.lineno, part.end_lineno or part.lineno
 
 
-def _rewrite(where: tuple[str, int], decision: control_flow.Decision | None) -> str | None:
+def _rewrite(where: control_flow.Location, decision: control_flow.Decision | None) -> str | None:
     try:
-        source = _Source(where[0])
+        source = _Source(where.filename)
     except (SyntaxError, ValueError):
         return None
-    node = source.innermost(where[1], (ast.If, ast.IfExp, ast.While, ast.For))
+    node = source.innermost(where.line, (ast.If, ast.IfExp, ast.While, ast.For))
     if node is None:
         return _scalar_advice(decision)
     function = next(

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch.utils._device import DeviceContext, _device_constructors
 
-from .control_flow import UNKNOWN_LOCATION, user_location
+from .control_flow import UNKNOWN_LOCATION, Location, user_location
 
 __all__ = ["CannotStayFloat64", "Float64Mode", "Widening"]
 
@@ -65,7 +65,7 @@ class Widening:
 
     what: str
     asked: torch.dtype
-    location: str
+    location: Location
 
     def __str__(self) -> str:
         return f"{self.what} at {self.location}"
@@ -172,7 +172,7 @@ def _has_narrow(values: Any) -> bool:
     return False
 
 
-def _location() -> str:
+def _location() -> Location:
     """The user's line that called the op being handled: the first frame outside this module."""
     frame = sys._getframe(1)
     while frame is not None and frame.f_code.co_filename == __file__:

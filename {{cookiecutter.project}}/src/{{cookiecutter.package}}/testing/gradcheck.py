@@ -32,7 +32,7 @@ used above ``FAST_MODE_ABOVE`` checked elements.
 from __future__ import annotations
 
 import contextlib
-import inspect
+import enum
 import math
 import re
 import time
@@ -49,7 +49,6 @@ from .branches import BranchSide, other_sides
 from .calls import (
     REENTRANT_CHECKPOINT,
     forward_kwargs_of,
-    input_names,
     reached_modules,
     reentrant_checkpoint,
     reject_data_less,
@@ -62,8 +61,11 @@ from .control_flow import (
     first_divergence,
     record_decisions,
 )
+from .failures import CheckFailure
 from .float64 import CannotStayFloat64, Float64Mode, Widening
 from .global_state import restore, snapshot
+from .naming import describe_callable, element_name, input_names
+from .trees import named_leaves
 
 # Above this many checked elements (inputs and parameters together) fast=None picks
 # fast mode: slow mode would cost two forward passes per element.
@@ -104,8 +106,10 @@ __all__ = [
 ]
 
 
-class GradcheckFailure(AssertionError):
+class GradcheckFailure(CheckFailure):
     """The gradient check failed; the message says which element and why."""
+
+    check = "gradcheck"
 
 
 class WrongGradient(GradcheckFailure):
@@ -406,15 +410,11 @@ class _Checked:
         part = ""
         if self.is_complex:
             index, part = index[:-1], (" (real part)", " (imaginary part)")[index[-1]]
-        return f"{self.name}[{', '.join(map(str, index))}]{part}" if index else self.name + part
+        return element_name(self.name, index) + part
 
 
 def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
-    index = []
-    for size in reversed(shape):
-        flat, rest = divmod(flat, size)
-        index.append(rest)
-    return tuple(reversed(index))
+    return tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), shape))
 
 
 def _float64_copy(tensor: torch.Tensor) -> torch.Tensor:
@@ -454,7 +454,7 @@ class _Problem:
     def __init__(self, function, inputs: tuple, kwargs: dict, params) -> None:
         __tracebackhide__ = True
         self.function = function
-        self.description = _describe_callable(function)
+        self.description = describe_callable(function)
         self.roots = reached_modules(function)
         self.checked: list[_Checked] = []
         self._input_slots: list[tuple[int, int]] = []
@@ -666,14 +666,10 @@ class _Problem:
         single = type(output) is torch.Tensor and output.is_floating_point()
         if single and self.output_names is not None:
             return (output,)
-        if isinstance(output, torch.Tensor):
-            items = [((), output)]
-        else:
-            items = pytree.tree_flatten_with_path(output)[0]
         names, tensors = [], []
-        for path, leaf in items:
+        for name, leaf in named_leaves(output, "output"):
             if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex()):
-                names.append("output" + pytree.keystr(path))
+                names.append(name)
                 tensors.append(torch.view_as_real(leaf) if leaf.is_complex() else leaf)
         if not tensors:
             raise _NoFloatingOutput(
@@ -777,18 +773,6 @@ def _generators(tensors: list[torch.Tensor]) -> list[torch.Generator]:
     for index in sorted({t.device.index or 0 for t in tensors if t.device.type == "cuda"}):
         generators.append(torch.cuda.default_generators[index])
     return generators
-
-
-def _describe_callable(function: Any) -> str:
-    if isinstance(function, nn.Module):
-        return type(function).__name__
-    if inspect.ismethod(function):
-        owner = function.__self__
-        owner_name = owner.__name__ if isinstance(owner, type) else type(owner).__name__
-        return f"{owner_name}.{function.__name__}"
-    if inspect.isfunction(function):
-        return function.__qualname__.replace(".<locals>", "")
-    return getattr(function, "__name__", None) or type(function).__name__
 
 
 def _describe_output(output: Any) -> str:
@@ -1045,9 +1029,18 @@ def _moved_numbers(a: DecisionLog, b: DecisionLog) -> list[tuple[Decision, Decis
     ]
 
 
+class _FindingKind(enum.Enum):
+    """What the finite differences of one element show."""
+
+    WRONG = "wrong"  # a wrong gradient
+    BOUNDARY = "boundary"  # the steps cross a branch boundary
+    KINK = "kink"  # one-sided differences disagree
+    JUMP = "jump"  # the outputs jump: a discontinuity
+
+
 @dataclass
 class _Finding:
-    kind: str  # "wrong", "boundary", "kink", "jump"
+    kind: _FindingKind
     checked: _Checked
     element: int
     row: int
@@ -1164,12 +1157,12 @@ class _Diagnosis:
             if explained and self.evaluations > _DIAGNOSIS_EVALUATIONS:
                 break  # the point is on a boundary or kink: enough to say so
             findings = self._examine(index)
-            wrong = [f for f in findings if f.kind == "wrong"]
+            wrong = [f for f in findings if f.kind is _FindingKind.WRONG]
             if wrong:
                 also = self._also_wrong([i for i in order if i != index])
                 return self._wrong(wrong, findings, index, also)
             explained.extend(findings)
-        boundaries = [f for f in explained if f.kind == "boundary"]
+        boundaries = [f for f in explained if f.kind is _FindingKind.BOUNDARY]
         if boundaries:
             return self._boundary(boundaries, explained)
         if explained:
@@ -1186,7 +1179,7 @@ class _Diagnosis:
         for index in indices:
             if self.evaluations > _DIAGNOSIS_EVALUATIONS:
                 break
-            wrong = [f for f in self._examine(index) if f.kind == "wrong"]
+            wrong = [f for f in self._examine(index) if f.kind is _FindingKind.WRONG]
             if wrong:
                 checked = self.problem.checked[index]
                 counted = checked.numel <= ELEMENTWISE_LIMIT
@@ -1201,7 +1194,7 @@ class _Diagnosis:
         """The wrong gradient of the first of these tensors that has one, else ``None``."""
         for index in indices:
             findings = self._examine(index)
-            wrong = [f for f in findings if f.kind == "wrong"]
+            wrong = [f for f in findings if f.kind is _FindingKind.WRONG]
             if wrong:
                 return self._wrong(wrong, findings, index)
         return None
@@ -1258,7 +1251,7 @@ class _Diagnosis:
         if not ratio.numel() or float(ratio[row]) <= 1.0:
             return None
         finding = _Finding(
-            "wrong",
+            _FindingKind.WRONG,
             checked,
             element,
             row,
@@ -1270,14 +1263,15 @@ class _Diagnosis:
         for side, log in (("+", plus_log), ("-", minus_log)):
             divergence = _branch_divergence(self.base_log, log)
             if divergence is not None:
-                finding.kind, finding.divergence, finding.side = "boundary", divergence, side
+                finding.kind, finding.divergence = _FindingKind.BOUNDARY, divergence
+                finding.side = side
                 return finding
         right = self._project(plus - self.base) / self.eps
         left = self._project(self.base - minus) / self.eps
         gap = (right - left).abs() > self.atol + self.rtol * torch.maximum(right.abs(), left.abs())
         if bool(gap.any()):
             kink_row = int(((right - left).abs() * gap).argmax())
-            finding.kind, finding.row = "kink", kink_row
+            finding.kind, finding.row = _FindingKind.KINK, kink_row
             # A kink's one-sided changes halve with the step; a jump's stay as they are.
             half_plus, _ = self._evaluate(index, step / 2)
             half_minus, _ = self._evaluate(index, -step / 2)
@@ -1291,7 +1285,7 @@ class _Diagnosis:
                     self.atol, 10 * self.eps * abs(analytical[kink_row])
                 )
                 if jumped and abs(half_change) > 0.75 * abs(full_change):
-                    finding.kind, finding.jump = "jump", full_change
+                    finding.kind, finding.jump = _FindingKind.JUMP, full_change
             finding.one_sided = (float(left[kink_row]), float(right[kink_row]))
             finding.numerical = float(numerical[kink_row])
             finding.analytical = float(analytical[kink_row])
@@ -1317,8 +1311,7 @@ class _Diagnosis:
         for name, shape in outputs:
             size = math.prod(shape)
             if row < size:
-                index = _unravel(row, shape)
-                element = f"{name}[{', '.join(map(str, index))}]" if index else name
+                element = element_name(name, _unravel(row, shape))
                 return element + ")" if self.order == 2 else element
             row -= size
         return "output"
@@ -1467,7 +1460,7 @@ class _Diagnosis:
         )
 
     def _kink(self, kinks: list[_Finding]) -> NonDifferentiablePoint:
-        jumps = [f for f in kinks if f.kind == "jump"]
+        jumps = [f for f in kinks if f.kind is _FindingKind.JUMP]
         first = (jumps or kinks)[0]
         left, right = first.one_sided
         element = first.checked.element(first.element)

@@ -650,17 +650,21 @@ def _global_state_message(changed: list[str], policy: GlobalStatePolicy) -> str:
 
 
 def _reporting(
-    request: pytest.FixtureRequest, name: str, check: Callable[..., Any]
+    request: pytest.FixtureRequest,
+    name: str,
+    check: Callable[..., Any],
+    report: Callable[[Any], str] = str,
 ) -> Callable[..., Any]:
-    """``check`` whose result goes into the test's report section ``name`` (and, with
-    ``-v``, to the terminal at once)."""
+    """``check`` whose result, as ``report`` words it, goes into the test's report section
+    ``name`` (and, with ``-v``, to the terminal at once)."""
 
     def checked(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
         result = check(*args, **kwargs)
-        request.node.add_report_section("call", name, str(result))
+        text = report(result)
+        request.node.add_report_section("call", name, text)
         if request.config.get_verbosity() > 0:
-            _write_live(request.config, str(result))
+            _write_live(request.config, text)
         return result
 
     return checked
@@ -759,14 +763,6 @@ def export_check(request: pytest.FixtureRequest) -> Callable[..., Any]:
     length with a mask, ``torch.while_loop``). See :func:`.export_check.export_check`.
     """
     from .export_check import export_check as check
+    from .export_check import summary
 
-    def checked(*args: Any, **kwargs: Any) -> Any:
-        __tracebackhide__ = True
-        program = check(*args, **kwargs)
-        summary = f"export_check: exported {len(program.graph.nodes)} graph nodes"
-        request.node.add_report_section("call", "export_check", summary)
-        if request.config.get_verbosity() > 0:
-            _write_live(request.config, summary)
-        return program
-
-    return checked
+    return _reporting(request, "export_check", check, summary)
