@@ -15,6 +15,7 @@ test; see ``test_without_a_gpu_tests_run_takes_torch_from_the_cpu_index``.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import platform
@@ -64,13 +65,19 @@ def ci(tmp_path: Path):
     return clone, {**os.environ, "APT_CONFIG": str(config)}, state
 
 
-def hold(lock: Path, seconds: float) -> threading.Timer:
-    """Hold ``lock`` as apt does (an fcntl write lock) for ``seconds``, from now."""
-    descriptor = os.open(lock, os.O_RDWR | os.O_CREAT, 0o640)
-    fcntl.lockf(descriptor, fcntl.LOCK_EX)
-    release = threading.Timer(seconds, os.close, (descriptor,))
+@contextlib.contextmanager
+def held(lock: Path, seconds: float):
+    """Hold ``lock`` as apt does (an fcntl write lock) for ``seconds`` from now, or until
+    the block ends, whichever comes first."""
+    file = lock.open("a")
+    fcntl.lockf(file, fcntl.LOCK_EX)
+    release = threading.Timer(seconds, file.close)
     release.start()
-    return release
+    try:
+        yield
+    finally:
+        release.cancel()
+        file.close()
 
 
 def run_ci(clone: Path, env: dict[str, str], **variables: str):
@@ -95,17 +102,18 @@ def test_without_another_apt_it_goes_straight_on(ci):
     assert ".ci/run:" not in result.stderr
 
 
-@needs_apt
-@pytest.mark.parametrize(
+# apt-get update takes the lock of the package lists; apt-get install dpkg's frontend lock.
+APT_LOCKS = pytest.mark.parametrize(
     "lock", ["lists/lock", "dpkg/lock-frontend"], ids=["apt-get update", "apt-get install"]
 )
+
+
+@needs_apt
+@APT_LOCKS
 def test_it_waits_for_another_apt_then_goes_on(ci, lock):
     clone, env, state = ci
-    release = hold(state / lock, 4)
-    try:
+    with held(state / lock, 4):
         result, seconds = run_ci(clone, env)
-    finally:
-        release.join()
     assert result.returncode == 0, result.stderr
     assert result.stdout == "tests/run ran\n"
     assert seconds >= 4
@@ -118,17 +126,11 @@ def test_it_waits_for_another_apt_then_goes_on(ci, lock):
 
 
 @needs_apt
-@pytest.mark.parametrize(
-    "lock", ["lists/lock", "dpkg/lock-frontend"], ids=["apt-get update", "apt-get install"]
-)
+@APT_LOCKS
 def test_it_waits_no_longer_than_its_bound(ci, lock):
     clone, env, state = ci
-    release = hold(state / lock, 30)
-    try:
+    with held(state / lock, 30):
         result, seconds = run_ci(clone, env, APT_LOCK_TIMEOUT="3")
-    finally:
-        release.cancel()
-        release.function(*release.args)
     assert result.returncode == 1
     assert "tests/run ran" not in result.stdout
     assert 2 <= seconds < 20  # bash counts the bound in whole seconds

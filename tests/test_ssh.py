@@ -231,13 +231,18 @@ def test_passwords_and_keyboard_interactive_are_not_offered(server: SshServer):
     assert "Permission denied (publickey)." in result.stderr
 
 
-def test_effective_configuration_is_key_only(server: SshServer):
-    effective = subprocess.run(
+def effective_configuration(server: SshServer) -> list[str]:
+    """``sshd -T``: every setting as sshd applies it, one ``keyword value`` a line."""
+    return subprocess.run(
         [SSHD, "-T", "-f", str(server.runtime / "sshd_config")],
         capture_output=True,
         text=True,
         check=True,
     ).stdout.splitlines()
+
+
+def test_effective_configuration_is_key_only(server: SshServer):
+    effective = effective_configuration(server)
     for line in (
         "passwordauthentication no",
         "kbdinteractiveauthentication no",
@@ -444,12 +449,7 @@ def test_rsa_keys_under_2048_bits_are_refused_by_name(server: SshServer, typed_k
 
 def test_short_rsa_keys_in_the_users_own_authorized_keys_are_refused(server: SshServer, typed_keys):
     """~/.ssh/authorized_keys in the container is read by sshd itself: RequiredRSASize."""
-    effective = subprocess.run(
-        [SSHD, "-T", "-f", str(server.runtime / "sshd_config")],
-        capture_output=True,
-        text=True,
-        check=True,
-    ).stdout.splitlines()
+    effective = effective_configuration(server)
     if not any(line.startswith("requiredrsasize ") for line in effective):
         pytest.skip("this sshd is older than OpenSSH 9.1, which added RequiredRSASize")
     assert "requiredrsasize 2048" in effective
