@@ -21,6 +21,7 @@ jobs every second instead of every 60).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -161,8 +162,10 @@ class Cluster:
 
     def stop(self) -> None:
         """Cancel what still runs, then stop the daemons (nodes, controller, munge)."""
-        if "slurmctld" in self.processes:
-            self.run("scancel", "--full", "--user=root", check=False)
+        controller = self.processes.get("slurmctld")
+        if controller is not None and controller.poll() is None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.run("scancel", "--full", "--user=root", check=False)
         for name, process in reversed(list(self.processes.items())):
             process.terminate()
             try:

@@ -48,17 +48,26 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[slurm_cluster.
         running.stop()
 
 
+# How the job is sent back to the queue: as a preemption or an administrator does it,
+# or by the job itself near its time limit (its batch shell gets SIGUSR1 from
+# --signal=B:USR1@SECONDS, which `scancel --batch --signal=USR1` sends the same way,
+# and its trap runs `scontrol requeue`).
+REQUEUES = {
+    "scontrol-requeue": ("scontrol", "requeue"),
+    "near-time-limit": ("scancel", "--batch", "--signal=USR1"),
+}
+
+
 @dataclass(frozen=True)
 class Requeued:
     """A job that was requeued mid-run, after it finished."""
 
-    outside: Path  # the folder holding the project, named HOSTILE
+    how: str  # a key of REQUEUES
     run_dir: Path
     job_id: int
     log: str
     between: dict  # latest.pt while the job waited in the queue between its attempts
-    seconds: dict[str, float]  # from `scontrol requeue` to each event
-    reference: Path
+    seconds: dict[str, float]  # from the requeue command to each state of the job
 
 
 def gloo_environment(project: Path, path: tuple[Path, ...] = (), **variables: str):
@@ -68,22 +77,33 @@ def gloo_environment(project: Path, path: tuple[Path, ...] = (), **variables: st
 
 
 @pytest.fixture(scope="module")
-def requeued(cluster, tmp_path_factory: pytest.TempPathFactory) -> Requeued:
-    folder = tmp_path_factory.mktemp("requeue")
-    outside = folder / HOSTILE
-    project = bake_project(outside)
-    reference = folder / "reference"
+def hostile_project(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The default project, in a folder named `HOSTILE`."""
+    return bake_project(tmp_path_factory.mktemp("outside") / HOSTILE)
+
+
+@pytest.fixture(scope="module")
+def reference(hostile_project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same training by 2 processes on one machine, uninterrupted."""
+    folder = tmp_path_factory.mktemp("reference")
     whole = run_module(
-        project,
+        hostile_project,
         "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m",
-        f"{DEFAULT_PACKAGE}.train", "--device", "cpu", *ARGS, "--run-dir", str(reference),
-        env=gloo_environment(project),
+        f"{DEFAULT_PACKAGE}.train", "--device", "cpu", *ARGS, "--run-dir", str(folder),
+        env=gloo_environment(hostile_project),
     )  # fmt: skip
     assert whole.returncode == 0, whole.stderr
+    return folder
 
+
+@pytest.fixture(scope="module", params=list(REQUEUES))
+def requeued(
+    request, cluster, hostile_project: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Requeued:
+    folder = tmp_path_factory.mktemp("requeue")
     stopped = folder / "stopped"
     environ = gloo_environment(
-        project,
+        hostile_project,
         path=(plant(folder / "hook"),),
         AT_STEP=str(AT_STEP),
         AT_STEP_ACTION="stop",
@@ -91,13 +111,13 @@ def requeued(cluster, tmp_path_factory: pytest.TempPathFactory) -> Requeued:
         SLURM_CONF=cluster.env["SLURM_CONF"],
     )
     launch = (
-        "slurm", "--nodes", "2", "--gpus-per-node", "0", f"--sbatch=--comment={HOSTILE}",
-        "--", *ARGS, *EVERY,
+        "slurm", "--nodes", "2", "--gpus-per-node", "0", "--time", "10",
+        f"--sbatch=--comment={HOSTILE}", "--", *ARGS, *EVERY,
     )  # fmt: skip
-    submitted = run_module(project, LAUNCH, *launch, env=environ)
+    submitted = run_module(hostile_project, LAUNCH, *launch, env=environ)
     assert submitted.returncode == 0, submitted.stderr
     job_id = int(re.match(r"submitted job (\d+);", submitted.stdout).group(1))
-    run_dir = project / "runs" / f"slurm-{job_id}"
+    run_dir = hostile_project / "runs" / f"slurm-{job_id}"
 
     def stopped_at_step() -> bool:
         state = cluster.job_state(job_id)
@@ -106,18 +126,18 @@ def requeued(cluster, tmp_path_factory: pytest.TempPathFactory) -> Requeued:
 
     cluster.wait_for("rank 0 stopped after step 23", stopped_at_step, 180)
     requeue = time.monotonic()
-    cluster.run("scontrol", "requeue", str(job_id))
+    cluster.run(*REQUEUES[request.param], str(job_id))
     seconds = {}
     for state in ("PENDING", "RUNNING", "COMPLETED"):
         cluster.wait_for(
             f"job {job_id} {state}", lambda state=state: cluster.job_state(job_id) == state, 180
         )
-        seconds[state] = time.monotonic() - requeue
+        seconds[state] = round(time.monotonic() - requeue, 1)
         if state == "PENDING":  # the first attempt is over, the second not started
             between = checkpoint(run_dir)
-    # The run's time line, for the README: `pytest -s` shows it.
-    print(f"job {job_id}: requeued; seconds after `scontrol requeue`: {seconds}")
-    return Requeued(outside, run_dir, job_id, log(run_dir, job_id), between, seconds, reference)
+    # The requeue's time line, for the README: `pytest -s` shows it.
+    print(f"job {job_id} ({request.param}): seconds to each state: {seconds}")
+    return Requeued(request.param, run_dir, job_id, log(run_dir, job_id), between, seconds)
 
 
 def log(run_dir: Path, job_id: int) -> str:
@@ -125,7 +145,9 @@ def log(run_dir: Path, job_id: int) -> str:
     return path.read_text() if path.exists() else f"(no {path})"
 
 
-def test_requeued_job_resumes_and_ends_bitwise_equal(cluster, requeued: Requeued) -> None:
+def test_requeued_job_resumes_and_ends_bitwise_equal(
+    cluster, requeued: Requeued, reference: Path, hostile_project: Path
+) -> None:
     job_id, run_dir = requeued.job_id, requeued.run_dir
     assert cluster.restarts(job_id) == 1
     shown = cluster.run("scontrol", "show", "job", str(job_id)).stdout
@@ -139,9 +161,11 @@ def test_requeued_job_resumes_and_ends_bitwise_equal(cluster, requeued: Requeued
     ]
     first, second = requeued.log.split(f"launch: job {job_id}, attempt 2, on n[1-2] at ")
     assert first.startswith(f"launch: job {job_id}, attempt 1, on n[1-2] at "), requeued.log
+    if requeued.how == "near-time-limit":
+        assert f"launch: time limit near: requeueing job {job_id}\n" in first
     assert f"JOB {job_id} ON n1 CANCELLED AT" in first
     assert "DUE TO JOB REQUEUE" in first
-    assert "launch: SIGTERM (preempted, requeued or cancelled)" in first
+    assert "launch: SIGTERM (preempted, requeued or cancelled): train checkpoints" in first
     assert "trained 3 epochs" not in first
     assert second.count("trained 3 epochs on 2 processes on cpu (gloo): loss ") == 1, second
     # The second attempt resumed (with --resume: without it train refuses the folder).
@@ -149,10 +173,10 @@ def test_requeued_job_resumes_and_ends_bitwise_equal(cluster, requeued: Requeued
     assert LAST_CHECKPOINT <= position["global_step"] < 48, position
     epochs = [line.split()[1] for line in second.splitlines() if line.startswith("epoch ")]
     assert epochs == [f"{epoch}/3" for epoch in range(position["epoch"] + 1, 4)], second
-    assert_bitwise_equal(checkpoint(run_dir), checkpoint(requeued.reference))
-    assert reproducible(metrics(run_dir)) == reproducible(metrics(requeued.reference))
+    assert_bitwise_equal(checkpoint(run_dir), checkpoint(reference))
+    assert reproducible(metrics(run_dir)) == reproducible(metrics(reference))
     # Every value in the script was data: nothing ran the folder name's commands.
-    assert not list(requeued.outside.parent.rglob("PWNED")), "the folder name ran as code"
+    assert not list(hostile_project.parent.parent.rglob("PWNED")), "the folder name ran as code"
 
 
 @pytest.mark.xfail(reason=PREEMPTION_WORK, strict=True)
@@ -185,3 +209,18 @@ def test_run_folder_on_a_local_disk_is_refused_for_other_machines(
     assert not run_dir.parent.exists()
     queued = cluster.run("squeue", "--noheader", "--states=all", "--partition=remote")
     assert queued.stdout.strip() == ""
+
+
+def test_a_job_sbatch_refuses_leaves_nothing_behind(cluster, default_project: Path, tmp_path: Path) -> None:
+    """A GPU job on a cluster without GPUs: sbatch's own reason, one line, exit 1, and
+    neither the run folder nor the ``runs`` folder made for it is left."""
+    environ = {**module_environment(default_project), "SLURM_CONF": cluster.env["SLURM_CONF"]}
+    refused = run_module(
+        default_project, LAUNCH, "slurm", "--gpus-per-node", "1", env=environ, cwd=tmp_path
+    )
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert refused.stderr == (
+        f"python -m {LAUNCH} slurm: error: sbatch refused the job: sbatch: error: Invalid "
+        "generic resource (gres) specification\n"
+    )
+    assert list(tmp_path.iterdir()) == []

@@ -333,6 +333,7 @@ def submit(job: SlurmJob, script: str) -> Submitted:
     fails, the job is cancelled: nothing is left in the queue.
     """
     staging = job.runs if job.run_dir is None else job.run_dir
+    created = [folder for folder in (staging, *staging.parents) if not folder.exists()]
     staging.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(prefix=".launch-", suffix=SCRIPT_SUFFIX, dir=staging)
     with os.fdopen(fd, "w") as file:
@@ -341,7 +342,10 @@ def submit(job: SlurmJob, script: str) -> Submitted:
     answer = _run(["sbatch", "--parsable", *hold, temporary])
     if answer.returncode != 0:
         os.unlink(temporary)
-        raise SubmitError(f"sbatch refused the job: {answer.stderr.strip() or answer.stdout}")
+        for folder in created:  # deepest first; only folders made here, and still empty
+            folder.rmdir()
+        reason = "; ".join((answer.stderr or answer.stdout).strip().splitlines())
+        raise SubmitError(f"sbatch refused the job: {reason}")
     job_id = int(answer.stdout.strip().split(";")[0])
     try:
         run_dir = job.run_dir_of(job_id)
