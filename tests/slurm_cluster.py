@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import re
 import shutil
 import socket
@@ -62,6 +63,23 @@ def _program(name: str) -> str:
     return shutil.which(name) or str(Path("/usr/sbin", name))
 
 
+def first_job_id(taken: dict[str, int]) -> int:
+    """A first job id whose torchrun rendezvous port (launch's 20000 + id % 10000) is
+    free, so that clusters running at the same time (pytest-xdist workers, CI jobs on
+    one machine) give their jobs different ports."""
+    while True:
+        job_id = random.randrange(1, 9000)
+        port = 20000 + job_id
+        if port in taken.values():
+            continue
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return job_id
+
+
 def slurm_conf(root: Path, ports: dict[str, int]) -> str:
     host = socket.gethostname()
     nodes = "\n".join(
@@ -70,6 +88,7 @@ def slurm_conf(root: Path, ports: dict[str, int]) -> str:
     )
     return f"""\
 ClusterName=tests
+FirstJobId={first_job_id(ports)}
 SlurmctldHost=localhost(127.0.0.1)
 SlurmctldPort={ports["slurmctld"]}
 SlurmdPort={ports[NODES[0]]}

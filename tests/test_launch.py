@@ -150,6 +150,9 @@ def test_containers(launch, capsys, tmp_path: Path) -> None:
     assert "--container-image='nvcr.io#me/dev:1'" in pyxis
     assert f"--container-mounts={src}:{src},{tmp_path}:{tmp_path}" in pyxis
     assert "--no-container-entrypoint" in pyxis
+    (tmp_path / "dev.sqsh").write_text("")  # a file: given to pyxis as a path
+    squashfs = dry_run(launch, capsys, "--gpus-per-node", "0", "--container-image", "dev.sqsh")
+    assert f"--container-image={tmp_path}/dev.sqsh " in squashfs
     assert "\n    python3 -m torch.distributed.run" in pyxis
     assert "--nv" not in pyxis
     assert_valid_bash(pyxis, tmp_path)

@@ -32,6 +32,7 @@ ARGS = ("--device", "cpu", "--samples", "1024", "--batch-size", "32", "--epochs"
 EVERY = ("--checkpoint-every", "5")
 AT_STEP = 13  # in epoch 2
 LAST_CHECKPOINT = 10  # the last one before step 13
+pytestmark = pytest.mark.xdist_group("multinode")  # the runs are set up once (tests/run)
 PREEMPTION_WORK = (
     "needs train's preemption handling (issue 25, points 1 and 2, merged separately): a "
     "checkpoint of the step reached on SIGTERM, and the resume command printed"

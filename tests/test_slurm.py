@@ -28,7 +28,10 @@ from test_multinode import PREEMPTION_WORK
 from test_train import assert_bitwise_equal, checkpoint, metrics, reproducible
 
 MISSING = slurm_cluster.missing_requirement()
-pytestmark = pytest.mark.skipif(MISSING is not None, reason=str(MISSING))
+pytestmark = [
+    pytest.mark.skipif(MISSING is not None, reason=str(MISSING)),
+    pytest.mark.xdist_group("slurm"),  # one cluster, one job per scenario (tests/run)
+]
 
 LAUNCH = f"{DEFAULT_PACKAGE}.launch"
 # 2 processes share 1024 samples in batches of 32: 16 steps an epoch, 48 in all.
@@ -211,7 +214,9 @@ def test_run_folder_on_a_local_disk_is_refused_for_other_machines(
     assert queued.stdout.strip() == ""
 
 
-def test_a_job_sbatch_refuses_leaves_nothing_behind(cluster, default_project: Path, tmp_path: Path) -> None:
+def test_a_job_sbatch_refuses_leaves_nothing_behind(
+    cluster, default_project: Path, tmp_path: Path
+) -> None:
     """A GPU job on a cluster without GPUs: sbatch's own reason, one line, exit 1, and
     neither the run folder nor the ``runs`` folder made for it is left."""
     environ = {**module_environment(default_project), "SLURM_CONF": cluster.env["SLURM_CONF"]}

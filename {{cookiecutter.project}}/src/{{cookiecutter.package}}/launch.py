@@ -59,6 +59,8 @@ from .train import build_parser as build_train_parser
 __all__ = ["Container", "Runtime", "SlurmJob", "Submitted", "main", "render_script", "submit"]
 
 PACKAGE = __package__
+# The folder holding this package (a project's src): containers get it on PYTHONPATH.
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
 SCRIPT_SUFFIX = ".sbatch"
 # The rendezvous port is derived from the job id, so that jobs sharing a first node
 # use different ports; 20000-29999 stays below Linux's ephemeral ports (32768 and up).
@@ -85,10 +87,10 @@ SCRIPT_SETS = {
 
 
 class Runtime(enum.Enum):
-    """How the nodes run the dev container's image."""
+    """How the nodes run the dev container's image; the value is launch's option."""
 
-    APPTAINER = "apptainer"  # apptainer (or singularity) exec --nv IMAGE ...
-    PYXIS = "pyxis"  # srun --container-image=IMAGE ... (NVIDIA's pyxis and enroot)
+    APPTAINER = "--apptainer"  # apptainer (or singularity) exec --nv IMAGE ...
+    PYXIS = "--container-image"  # srun --container-image=IMAGE ... (pyxis and enroot)
 
 
 @dataclass(frozen=True)
@@ -281,7 +283,7 @@ def render_script(job: SlurmJob, *, written: datetime | None = None) -> str:
 def _mounted(job: SlurmJob) -> list[str]:
     """The folders a container must see at the same paths: the package's, the work folder
     and the run folder's parent (each only once, and none inside another)."""
-    folders = [Path(__file__).resolve().parent.parent, job.workdir, job.runs]
+    folders = [PACKAGE_ROOT, job.workdir, job.runs]
     return [
         str(folder)
         for index, folder in enumerate(folders)
@@ -292,11 +294,10 @@ def _mounted(job: SlurmJob) -> list[str]:
 
 def container_lines(job: SlurmJob) -> list[str]:
     assert job.container is not None
-    package_root = Path(__file__).resolve().parent.parent
     lines = [
         "",
         "# The dev container's image: this package from the shared folder, on PYTHONPATH.",
-        f'export PYTHONPATH={shlex.quote(str(package_root))}"${{PYTHONPATH:+:$PYTHONPATH}}"',
+        f'export PYTHONPATH={shlex.quote(str(PACKAGE_ROOT))}"${{PYTHONPATH:+:$PYTHONPATH}}"',
     ]
     if job.container.runtime is Runtime.APPTAINER:
         lines += [
@@ -609,13 +610,16 @@ def job_from_arguments(options: argparse.Namespace, train_args: Sequence[str]) -
     container = None
     if options.apptainer is not None:
         image = options.apptainer
-        if "://" not in image:
+        if "://" not in image:  # else a URI apptainer pulls, docker://... or oras://...
             image = os.path.abspath(image)
             if not os.path.isfile(image):
                 raise UsageError(f"argument --apptainer: {image} does not exist")
         container = Container(Runtime.APPTAINER, image)
     elif options.container_image is not None:
-        container = Container(Runtime.PYXIS, options.container_image)
+        image = options.container_image
+        if os.path.isfile(image):  # a squashfs file; pyxis would take dev.sqsh for an image name
+            image = os.path.abspath(image)
+        container = Container(Runtime.PYXIS, image)
     job = SlurmJob(
         nodes=options.nodes,
         gpus_per_node=gpus,
@@ -637,7 +641,7 @@ def job_from_arguments(options: argparse.Namespace, train_args: Sequence[str]) -
         for folder in _mounted(job):
             if re.search("[,:]", folder):
                 raise UsageError(
-                    f"argument --{container.runtime.value}: {folder} must be mounted into the "
+                    f"argument {container.runtime.value}: {folder} must be mounted into the "
                     "container, and a path with ',' or ':' cannot be (they separate mounts)"
                 )
     return job
