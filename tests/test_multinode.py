@@ -39,8 +39,14 @@ PREEMPTION_WORK = (
 )
 
 
-def gloo_environment(project: Path, **variables: str) -> dict[str, str]:
-    return module_environment(project, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", **variables)
+def gloo_environment(
+    project: Path, path: tuple[Path, ...] = (), **variables: str
+) -> dict[str, str]:
+    """For gloo processes on the loopback device, one thread each; ``path`` first on
+    PYTHONPATH (see `module_environment`)."""
+    return module_environment(
+        project, path=path, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", **variables
+    )
 
 
 @dataclass(frozen=True)
@@ -107,15 +113,14 @@ def reference(default_project: Path, tmp_path_factory: pytest.TempPathFactory) -
 def stopped(default_project: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Nodes]:
     """The run folder of two nodes sent SIGTERM after step 13, and what the agents left."""
     folder = tmp_path_factory.mktemp("two-nodes")
-    hook = plant(folder / "hook")
     logs = folder / "logs"
     environ = gloo_environment(
         default_project,
+        path=(plant(folder / "hook"),),
         AT_STEP=str(AT_STEP),
         AT_STEP_ACTION="terminate",
         AT_STEP_PIDS=str(logs / "pids"),
     )
-    environ["PYTHONPATH"] = os.pathsep.join((str(hook), environ["PYTHONPATH"]))
     run_dir = folder / "run"
     nodes = two_nodes(run_dir, *EVERY, env=environ, logs=logs)
     return run_dir, nodes

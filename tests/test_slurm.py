@@ -24,7 +24,7 @@ import pytest
 import slurm_cluster
 from at_step import plant
 from conftest import DEFAULT_PACKAGE, bake_project, module_environment, run_module
-from test_multinode import PREEMPTION_WORK
+from test_multinode import PREEMPTION_WORK, gloo_environment
 from test_train import assert_bitwise_equal, checkpoint, metrics, reproducible
 
 MISSING = slurm_cluster.missing_requirement()
@@ -71,12 +71,6 @@ class Requeued:
     log: str
     between: dict  # latest.pt while the job waited in the queue between its attempts
     seconds: dict[str, float]  # from the requeue command to each state of the job
-
-
-def gloo_environment(project: Path, path: tuple[Path, ...] = (), **variables: str):
-    return module_environment(
-        project, path=path, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", **variables
-    )
 
 
 @pytest.fixture(scope="module")
