@@ -37,7 +37,6 @@ import gc
 import json
 import os
 import re
-import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -47,6 +46,7 @@ from typing import Any
 import pytest
 
 from .. import gpus
+from .._files import FileError, write_atomically
 from . import global_state
 
 __all__ = ["AfterTestCheckFailed", "GlobalStatePolicy", "TorchGlobalStateWarning"]
@@ -409,6 +409,7 @@ class _DecisionHooks:
         self.coverage = coverage
         self.json_file = json_file
         self.strict = strict
+        self.json_error: FileError | None = None  # reported in the summary, not as a crash
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Iterator[None]:
@@ -427,7 +428,11 @@ class _DecisionHooks:
             config.workeroutput[_DECISIONS_OUTPUT] = self.coverage.to_json()["sites"]
             return
         if self.json_file is not None:
-            _write_atomically(self.json_file, json.dumps(self.coverage.to_json(), indent=2))
+            report = json.dumps(self.coverage.to_json(), indent=2, allow_nan=False)
+            try:
+                write_atomically(self.json_file, report)
+            except FileError as error:
+                self.json_error = error
         if self.strict and self.coverage.one_sided() and session.exitstatus == 0:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -448,20 +453,10 @@ class _DecisionHooks:
                 missing = site.missing_outcomes
                 never = "never reached" if len(missing) == 2 else f"never {missing[0]}"
                 terminalreporter.write_line(f"  {site.path}:{site.line}: {never}", red=True)
-        if self.json_file is not None:
+        if self.json_error is not None:
+            terminalreporter.write_line(f"--decisions-json: {self.json_error}", red=True)
+        elif self.json_file is not None:
             terminalreporter.write_line(f"decision report written to {self.json_file}")
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that a reader sees the old file or the whole new one."""
-    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
-            stream.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
 
 
 class _XdistHooks:
