@@ -321,7 +321,8 @@ def test_a_report_into_a_read_only_folder(plugin_pytester):
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert (
-        f"--decisions-json: cannot write {reports / 'decisions.json'}: Read-only file system"
+        f"--decisions-json: cannot write {reports / 'decisions.json'}: Read-only file system "
+        "(nothing written)"
     ) in lines
     assert "1 passed" in lines[-1]
     assert "Traceback" not in result.stdout + result.stderr

@@ -318,9 +318,17 @@ def _check_rng(processes: list[dict[str, Any]], path: Path) -> None:
     for rank, process in enumerate(processes):
         where = f"{path}: processes[{rank}].rng"
         python = process["rng"]["python"]
+        words = python["words"].tolist()
+        # random.setstate truncates words beyond 32 bits and overflows on negative ones
+        wrong = [(index, word) for index, word in enumerate(words[:-1]) if not 0 <= word < 2**32]
+        if wrong:
+            index, word = wrong[0]
+            raise CheckpointError(
+                f"{where}.python.words[{index}] is {word}, not a word of Python's random state "
+                "(0 to 2**32-1)"
+            )
         try:
-            words = tuple(python["words"].tolist())
-            random.Random().setstate((python["version"], words, python["gauss"]))
+            random.Random().setstate((python["version"], tuple(words), python["gauss"]))
         except (ValueError, OverflowError, TypeError) as error:
             raise CheckpointError(
                 f"{where}.python is not a state of Python's random module ({error})"

@@ -115,7 +115,7 @@ class AtomicFile:
             except FileExistsError:
                 continue
             except OSError as error:
-                raise FileError.of(path, "write", error) from None
+                raise self._failed(error) from None
         else:
             raise FileError(path, "write", f"no free temporary name in {_NAME_ATTEMPTS} tries")
         self._file = os.fdopen(descriptor, "wb")
@@ -149,7 +149,7 @@ class AtomicFile:
             os.replace(self.temporary, self.path)
         except OSError as error:
             self.discard()
-            raise FileError.of(self.path, "write", self._failure or error) from None
+            raise self._failed(self._failure or error) from None
         _fsync_folder(self.path.parent)
 
     def discard(self) -> None:
@@ -168,7 +168,15 @@ class AtomicFile:
         self.discard()
         failure = self._failure or (error if isinstance(error, OSError) else None)
         if failure is not None:
-            raise FileError.of(self.path, "write", failure) from error
+            raise self._failed(failure) from error
+
+    def _failed(self, error: OSError) -> FileError:
+        """The error, saying that ``path`` is as it was (the temporary file is gone)."""
+        failure = FileError.of(self.path, "write", error)
+        kept = (
+            f"the previous {self.path.name} is intact" if self.path.exists() else "nothing written"
+        )
+        return FileError(self.path, "write", f"{failure.reason} ({kept})")
 
 
 def write_atomically(path: Path, data: bytes | str, *, mode: int = 0o666) -> None:
