@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import shutil
 import signal
 import subprocess
 import sys
@@ -41,6 +42,12 @@ from training import (
 # 30, the end of epoch 1 at 32, then 40).
 EVERY = ("--checkpoint-every", "10")
 KILL_AT_CHECKPOINT = 5
+
+
+# A checkpoint written by this template before checkpoints had checksums (format 3, commit
+# d538a18): the run of `reference` (SMALL, 3 epochs) with --checkpoint-every 10, SIGKILLed
+# after its 5th checkpoint: epoch 1 done, 8 steps into epoch 2, 40 steps in all.
+FORMAT_3 = Path(__file__).parent / "data" / "format3-epoch1-step8.pt"
 
 
 @pytest.fixture(scope="module")
@@ -178,6 +185,7 @@ def test_kill_at_an_epoch_end_and_resume_with_other_workers(
 
 STALLING_SAVE = """
     import io
+import shutil
     import os
     import sys
     import time
@@ -244,6 +252,26 @@ def test_kill_during_checkpoint_write_leaves_latest_intact(
     assert sorted(path.name for path in runs.iterdir()) == ["latest.pt", "metrics.csv"]
     assert_bitwise_equal(checkpoint(runs), checkpoint(reference))
     assert reproducible(metrics(runs)) == reproducible(metrics(reference))
+
+
+def test_a_format_3_checkpoint_still_resumes(
+    default_project: Path, tmp_path: Path, reference: Path
+) -> None:
+    """Without checksums to verify, with a warning saying so, and bit for bit."""
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copyfile(FORMAT_3, run / "latest.pt")
+    resumed = train(default_project, *SMALL, "--epochs", EPOCHS, "--resume", "--run-dir", str(run))
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stderr.splitlines()[0] == (
+        f"warning: {run / 'latest.pt'} is a checkpoint of format 3, written by an earlier "
+        "version of this command: it has no checksums, so its tensors are not verified"
+    )
+    assert resumed.stdout.splitlines()[0] == (
+        f"resumed {run} at epoch 2, step 8/32 (step 40 of the run)"
+    )
+    assert checkpoint(run)["format"] == 4
+    assert_bitwise_equal(checkpoint(run), checkpoint(reference))
 
 
 def test_resume_when_already_done(default_project: Path, tmp_path: Path) -> None:
@@ -390,7 +418,7 @@ def test_corrupt_checkpoint(train_module, capsys, finished_run: Path) -> None:
 def test_checkpoint_of_another_format_is_refused(train_module, capsys, finished_run: Path) -> None:
     latest = finished_run / "latest.pt"
     state = torch.load(latest, weights_only=True)
-    assert state["format"] == 4  # resumes are tested with this one (format 3: test_train_faults)
+    assert state["format"] == 4  # resumes are tested with this one (and format 3)
     torch.save({**state, "format": 2}, latest)
     assert usage_error(train_module, capsys, *resume(finished_run)) == (
         f"argument --resume: {latest} was written by another version of this training "

@@ -23,31 +23,9 @@ import pytest
 import torch
 from conftest import module_environment
 from filesystems import FILL, READ_ONLY, SMALL_DISK, in_private_mounts
-from training import (
-    EPOCHS,
-    SMALL,
-    TRAIN,
-    assert_bitwise_equal,
-    checkpoint,
-    plant,
-    train,
-    usage_error,
-)
+from training import SMALL, TRAIN, checkpoint, plant, train, usage_error
 
 PREFIX = f"python -m {TRAIN}: error: "
-# A checkpoint written by this template before checkpoints had checksums (format 3, commit
-# d538a18): the run of `reference` (SMALL, 3 epochs) with --checkpoint-every 10, SIGKILLed
-# after its 5th checkpoint: epoch 1 done, 8 steps into epoch 2, 40 steps in all.
-FORMAT_3 = Path(__file__).parent / "data" / "format3-epoch1-step8.pt"
-
-
-@pytest.fixture(scope="module")
-def reference(default_project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted run of 3 epochs with SMALL."""
-    directory = tmp_path_factory.mktemp("reference")
-    result = train(default_project, *SMALL, "--epochs", EPOCHS, "--run-dir", str(directory))
-    assert result.returncode == 0, result.stderr
-    return directory
 
 
 @pytest.fixture
@@ -56,17 +34,23 @@ def train_module(default_project: Path, monkeypatch: pytest.MonkeyPatch):
     return importlib.import_module(TRAIN)
 
 
-@pytest.fixture
-def finished_run(tmp_path: Path, default_project: Path) -> Path:
-    """The folder of a finished 1-epoch run with SMALL."""
-    directory = tmp_path / "finished"
+@pytest.fixture(scope="module")
+def one_epoch(default_project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished 1-epoch run with SMALL, made once."""
+    directory = tmp_path_factory.mktemp("one-epoch") / "run"
     result = train(default_project, *SMALL, "--epochs", "1", "--run-dir", str(directory))
     assert result.returncode == 0, result.stderr
     return directory
 
 
-def resume(directory: Path, epochs: str = "2") -> tuple[str, ...]:
-    return (*SMALL, "--epochs", epochs, "--resume", "--run-dir", str(directory))
+@pytest.fixture
+def finished_run(tmp_path: Path, one_epoch: Path) -> Path:
+    """This test's own copy of `one_epoch`."""
+    return Path(shutil.copytree(one_epoch, tmp_path / "finished"))
+
+
+def resume(directory: Path) -> tuple[str, ...]:
+    return (*SMALL, "--epochs", "2", "--resume", "--run-dir", str(directory))
 
 
 def contents(directory: Path) -> dict[str, bytes]:
@@ -79,26 +63,6 @@ def one_error_line(result) -> str:
     assert result.stderr.count("\n") == 1, result.stderr
     assert result.stderr.startswith(PREFIX), result.stderr
     return result.stderr.removeprefix(PREFIX).rstrip("\n")
-
-
-def test_a_format_3_checkpoint_still_resumes(
-    default_project: Path, tmp_path: Path, reference: Path
-) -> None:
-    """Without checksums to verify, with a warning saying so, and bit for bit."""
-    run = tmp_path / "run"
-    run.mkdir()
-    shutil.copyfile(FORMAT_3, run / "latest.pt")
-    resumed = train(default_project, *resume(run, EPOCHS))
-    assert resumed.returncode == 0, resumed.stderr
-    assert resumed.stderr.splitlines()[0] == (
-        f"warning: {run / 'latest.pt'} is a checkpoint of format 3, written by an earlier "
-        "version of this command: it has no checksums, so its tensors are not verified"
-    )
-    assert resumed.stdout.splitlines()[0] == (
-        f"resumed {run} at epoch 2, step 8/32 (step 40 of the run)"
-    )
-    assert checkpoint(run)["format"] == 4
-    assert_bitwise_equal(checkpoint(run), checkpoint(reference))
 
 
 def test_links_planted_at_the_metrics_names_are_not_followed(
