@@ -34,6 +34,8 @@ from training import (
     reproducible,
     torchrun,
     train,
+    train_in_background,
+    uninterrupted,
     usage_error,
     wait_for_line,
 )
@@ -53,10 +55,7 @@ FORMAT_3 = Path(__file__).parent / "data" / "format3-epoch1-step8.pt"
 @pytest.fixture(scope="module")
 def reference(default_project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The uninterrupted run the interrupted ones are compared with (no workers)."""
-    directory = tmp_path_factory.mktemp("reference")
-    result = train(default_project, *SMALL, "--epochs", EPOCHS, "--run-dir", str(directory))
-    assert result.returncode == 0, result.stderr
-    return directory
+    return uninterrupted(default_project, tmp_path_factory.mktemp("reference"))
 
 
 def test_one_epoch(default_project: Path, tmp_path: Path) -> None:
@@ -223,13 +222,7 @@ def test_kill_during_checkpoint_write_leaves_latest_intact(
     stall = plant(tmp_path / "plant", STALLING_SAVE)
     runs = tmp_path / "run"
     args = (*SMALL, "--epochs", EPOCHS, "--run-dir", str(runs))
-    process = subprocess.Popen(
-        [sys.executable, "-m", TRAIN, *args],
-        env=module_environment(default_project, path=(stall,)),
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-    )
+    process = train_in_background(default_project, *args, path=(stall,))
     try:
         wait_for_line(process, "STALLED IN SAVE")
         process.send_signal(signal.SIGKILL)

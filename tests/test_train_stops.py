@@ -34,6 +34,8 @@ from training import (
     reproducible,
     torchrun,
     train,
+    train_in_background,
+    uninterrupted,
     wait_for_line,
 )
 
@@ -91,10 +93,7 @@ SIGNALS_DURING_THE_WRITE = """
 @pytest.fixture(scope="module")
 def reference(default_project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An uninterrupted run of 3 epochs with SMALL."""
-    directory = tmp_path_factory.mktemp("reference")
-    result = train(default_project, *SMALL, "--epochs", EPOCHS, "--run-dir", str(directory))
-    assert result.returncode == 0, result.stderr
-    return directory
+    return uninterrupted(default_project, tmp_path_factory.mktemp("reference"))
 
 
 def run_printed(project: Path, command: str, **variables: str):
@@ -303,13 +302,7 @@ def test_one_train_per_run_folder(default_project: Path, tmp_path: Path, referen
     assert first.returncode == 0, first.stderr
     args = (*SMALL, "--epochs", EPOCHS, "--run-dir", str(run), "--resume")
     stall = plant(tmp_path / "plant", STALL_IN_FIRST_SAVE)
-    holder = subprocess.Popen(
-        [sys.executable, "-m", TRAIN, *args],
-        env=module_environment(default_project, path=(stall,)),
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-    )
+    holder = train_in_background(default_project, *args, path=(stall,))
     try:
         wait_for_line(holder, "STALLED IN SAVE")
         before = {path.name: path.read_bytes() for path in run.iterdir()}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -20,6 +21,25 @@ EPOCHS = "3"
 
 def train(project: Path, *args: str, env: dict[str, str] | None = None):
     return run_module(project, TRAIN, *args, env=env)
+
+
+def train_in_background(project: Path, *args: str, path: tuple[Path, ...] = ()) -> subprocess.Popen:
+    """``train`` started, its stderr to read (`wait_for_line`), ``path`` first on PYTHONPATH."""
+    return subprocess.Popen(
+        [sys.executable, "-m", TRAIN, *args],
+        env=module_environment(project, path=path),
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
+
+
+def uninterrupted(project: Path, directory: Path) -> Path:
+    """``directory`` after an uninterrupted run of SMALL for EPOCHS epochs (no workers),
+    the run that interrupted ones are compared with."""
+    result = train(project, *SMALL, "--epochs", EPOCHS, "--run-dir", str(directory))
+    assert result.returncode == 0, result.stderr
+    return directory
 
 
 def checkpoint(directory: Path) -> dict:

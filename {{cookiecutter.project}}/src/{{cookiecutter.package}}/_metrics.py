@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from ._command import CommandError
-from ._files import FileError, open_to_append, read_text, write_atomically
+from ._files import FileError, open_to_append, read_text, remove_incomplete, write_atomically
 
 __all__ = [
     "FIELDS",
@@ -101,6 +101,7 @@ class MetricsLog:
 
     def __init__(self, run_dir: Path, *, epochs_done: int, step: int, tensorboard: bool) -> None:
         self.path = run_dir / METRICS
+        remove_incomplete(self.path)  # a rewrite cut short by a kill; the file itself is whole
         text = read_text(self.path)
         if text and text.strip():
             rows = _rows(self.path, text)

@@ -2,7 +2,7 @@
 
     <project>-train --device cuda --batch-size 64 --epochs 10
     <project>-train --run-dir runs/a --checkpoint-every 100 --workers 2 --precision bf16
-    <project>-train --run-dir runs/a --resume          # after a crash or kill
+    <project>-train --run-dir runs/a --resume          # after a stop, a crash or a kill
     torchrun --nproc_per_node 2 -m <package>.train --device cuda
 
 Each run has a folder (``--run-dir``, default ``runs/<date-time>``) holding
@@ -16,7 +16,38 @@ and a checkpoint holds the model, the optimizer, the fp16 gradient scaler, every
 random number generator and the position in the epoch, so ``--resume`` continues
 exactly where the last checkpoint stopped, even mid-epoch: the final weights are
 bitwise equal to those of an uninterrupted run with the same settings, whatever
-``--workers`` either run used.
+``--workers`` either run used. A checkpoint carries a CRC-32 of each tensor, which
+``--resume`` verifies (`_checkpoint`).
+
+Stopping, and what launch scripts rely on (``<project>-launch slurm`` among them):
+
+- SIGINT (Ctrl-C), SIGTERM (``docker stop``, Kubernetes, SLURM's preemption and time
+  limit) and SIGUSR1 (SLURM's ``--signal=USR1@SECONDS``) stop training after the
+  optimizer step under way; ``latest.pt`` then holds exactly that step, stderr ends
+  with two lines, ``stopped by SIGTERM at epoch 2, step 8/32 (step 40 of the run);
+  checkpoint runs/a/latest.pt`` and ``resume with: <the command>``, and the process
+  exits with 128 + the signal's number (130, 143, 138). Further signals while the
+  checkpoint is written change nothing. A signal during the last step of the run
+  lets it finish (exit status 0). See `_preemption`.
+- ``--resume --run-dir <the same folder>`` (with the run's other flags) continues bit
+  for bit and first prints ``resumed <folder> at epoch E, step S/N (step G of the
+  run)`` on stdout.
+- Under ``torchrun`` all processes stop after the same step (one step after the first
+  process saw the signal). torchrun forwards SIGTERM and SIGINT to its processes
+  (SIGKILL follows after its ``--shutdown-timeout``, 30 s), then exits 1 itself with
+  its own traceback. SIGUSR1 kills torchrun and leaves its processes training,
+  unless torchrun was started with ``--signals-to-handle
+  SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1``, which makes it forward SIGUSR1 too.
+- One process writes a run folder at a time: rank 0 holds an ``fcntl`` lock on
+  ``.lock`` in it from before its first write to its exit (the kernel drops it when
+  the process dies, however); a second ``train`` there exits 1 with one line naming
+  the folder and the holder's PID.
+
+Failures the user can act on are one ``error:`` line naming the file, the entry or the
+value (`_command.reports_errors`): exit status 2 for a bad command line or a checkpoint
+that cannot be resumed (damaged, of another model or version), 1 for a locked or
+read-only run folder, a full disk, a link planted in the folder, a malformed
+``metrics.csv``.
 
 Under ``torchrun`` every process trains a copy of the model on its share of each
 epoch (DistributedSampler) and DistributedDataParallel averages the gradients:
@@ -209,9 +240,11 @@ def default_run_dir(now: datetime | None = None) -> Path:
     return candidate
 
 
-def prepare_run_dir(config: Config, launch: Launch) -> Config:
+def prepare_run_dir(config: Config, launch: Launch, held: contextlib.ExitStack) -> Config:
     """Check ``--run-dir``/``--resume`` before any work; the config with the run folder,
-    created (by rank 0, the only process that writes there)."""
+    created and locked (`FolderLock`, held until ``held`` closes) by rank 0, the only
+    process that writes there. The lock comes before the checks of what the folder
+    holds: another run may be writing it."""
     if config.run_dir is None:
         if config.resume:
             raise UsageError("argument --resume: needs --run-dir DIR, the folder of the run")
@@ -222,6 +255,8 @@ def prepare_run_dir(config: Config, launch: Launch) -> Config:
     if config.resume:
         if not directory.is_dir():
             raise UsageError(f"argument --run-dir: {directory} does not exist (nothing to resume)")
+        if launch.rank == 0:
+            held.enter_context(FolderLock.acquire(directory))
         if not checkpoint.exists():
             raise UsageError(
                 f"argument --resume: no checkpoint in {directory} ({checkpoint.name} is missing)"
@@ -239,6 +274,7 @@ def prepare_run_dir(config: Config, launch: Launch) -> Config:
             raise UsageError(
                 f"argument --run-dir: cannot create {directory}: {error.strerror}"
             ) from None
+        held.enter_context(FolderLock.acquire(directory))
     return config
 
 
@@ -745,10 +781,7 @@ def main(argv: list[str] | None = None) -> int:
                 raise UsageError(f"argument --tensorboard: {missing}")
             device = resolve_device(config.device, launch)
             check_precision(config.precision, device)
-            config = prepare_run_dir(config, launch)
-            if launch.rank == 0:  # the one process that writes the run folder
-                assert config.run_dir is not None
-                held.enter_context(FolderLock.acquire(config.run_dir))
+            config = prepare_run_dir(config, launch, held)
             resumed = load_resumable(config, launch, device, sys.stderr) if config.resume else None
         except UsageError as error:
             parser.error(str(error))
