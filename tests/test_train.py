@@ -184,7 +184,6 @@ def test_kill_at_an_epoch_end_and_resume_with_other_workers(
 
 STALLING_SAVE = """
     import io
-import shutil
     import os
     import sys
     import time

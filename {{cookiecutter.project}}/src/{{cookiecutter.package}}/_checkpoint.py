@@ -147,25 +147,29 @@ _LAYOUT: dict[str, Any] = {
 
 
 def _to_dict(state: TrainingState) -> dict[str, Any]:
-    """The checkpoint as saved: plain entries, every tensor on the CPU, and their checksums."""
+    """The checkpoint as saved: plain entries, every tensor on the CPU, and their checksums
+    (one walk over the entries: the checkpoint is written in the training loop)."""
     position = state.position
-    data = pytree.tree_map_only(
-        torch.Tensor,
-        lambda tensor: tensor.detach().cpu(),
-        {
-            "epoch": position.epoch,
-            "step": position.step,
-            "global_step": position.global_step,
-            "epoch_seconds": state.epoch_seconds,
-            "loss": state.loss,
-            "run": asdict(state.run),
-            "model": state.model,
-            "optimizer": state.optimizer,
-            "scaler": state.scaler,
-            "processes": [{"rng": p.rng, "loss": p.loss} for p in state.processes],
-        },
-    )
-    return {"format": FORMAT, **data, "checksums": _checksums(data)}
+    entries = {
+        "epoch": position.epoch,
+        "step": position.step,
+        "global_step": position.global_step,
+        "epoch_seconds": state.epoch_seconds,
+        "loss": state.loss,
+        "run": asdict(state.run),
+        "model": state.model,
+        "optimizer": state.optimizer,
+        "scaler": state.scaler,
+        "processes": [{"rng": p.rng, "loss": p.loss} for p in state.processes],
+    }
+    leaves, layout = pytree.tree_flatten_with_path(entries)
+    on_cpu = [(path, _on_cpu(leaf)) for path, leaf in leaves]
+    data = pytree.tree_unflatten([leaf for _, leaf in on_cpu], layout)
+    return {"format": FORMAT, **data, "checksums": _checksums(on_cpu)}
+
+
+def _on_cpu(leaf: Any) -> Any:
+    return leaf.cpu() if isinstance(leaf, torch.Tensor) else leaf
 
 
 def _crc32(tensor: torch.Tensor) -> int:
@@ -184,8 +188,8 @@ def _tensor_name(path: tuple[Any, ...]) -> str:
     )
 
 
-def _checksums(data: dict[str, Any]) -> dict[str, int]:
-    leaves, _ = pytree.tree_flatten_with_path(data)
+def _checksums(leaves: list[tuple[Any, Any]]) -> dict[str, int]:
+    """CRC-32 of each tensor among pytree ``leaves`` (key path, value), by its name."""
     return {
         _tensor_name(path): _crc32(leaf) for path, leaf in leaves if isinstance(leaf, torch.Tensor)
     }
@@ -291,7 +295,7 @@ def _verify(data: dict[str, Any], path: Path) -> None:
     """`CheckpointError` for the first tensor whose bytes differ from its checksum."""
     recorded = data["checksums"]
     tensors = {key: value for key, value in data.items() if key not in ("format", "checksums")}
-    computed = _checksums(tensors)
+    computed = _checksums(pytree.tree_flatten_with_path(tensors)[0])
     names = recorded.keys() | computed.keys()
     damaged = [name for name in names if recorded.get(name) != computed.get(name)]
     if not damaged:

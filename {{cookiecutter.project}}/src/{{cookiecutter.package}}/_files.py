@@ -150,7 +150,10 @@ class AtomicFile:
         except OSError as error:
             self.discard()
             raise self._failed(self._failure or error) from None
-        _fsync_folder(self.path.parent)
+        try:
+            _fsync_folder(self.path.parent)
+        except OSError as error:  # the file is in place; its name may not survive a power cut
+            raise FileError.of(self.path.parent, "flush the folder", error) from None
 
     def discard(self) -> None:
         """Remove the temporary file; ``path`` stays as it was."""
@@ -165,7 +168,9 @@ class AtomicFile:
     def __exit__(self, kind: object, error: BaseException | None, traceback: object) -> None:
         if error is None:
             return
-        self.discard()
+        self.discard()  # again, after a failed commit: it is harmless
+        if isinstance(error, FileError):  # commit's own
+            return
         failure = self._failure or (error if isinstance(error, OSError) else None)
         if failure is not None:
             raise self._failed(failure) from error
