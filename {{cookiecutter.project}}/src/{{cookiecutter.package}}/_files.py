@@ -7,11 +7,11 @@ commands and the pytest plugin write goes through this module:
 - `AtomicFile` / `write_atomically` replace a file as a whole. The new content goes to
   a temporary file with a random name, created exclusively (``O_CREAT | O_EXCL |
   O_NOFOLLOW``: it fails on anything already at that name, a link included) in the
-  target's folder, is flushed to disk, and is renamed over the target. A reader sees
-  the old file or the whole new one, never a part; ``rename`` replaces a link at the
-  target instead of writing through it. On any failure the temporary file is removed,
-  even when closing it fails too (a full disk fails the close's last flush), and the
-  target is as it was.
+  target's folder, and is renamed over the target (with ``fsync`` before and after
+  where it must survive a power cut: checkpoints). A reader sees the old file or the
+  whole new one, never a part; ``rename`` replaces a link at the target instead of
+  writing through it. On any failure the temporary file is removed, even when closing
+  it fails too (a full disk fails the close's last flush), and the target is as it was.
 - `open_to_append` and `read_text` open the target itself with ``O_NOFOLLOW``: a link
   there is refused (with ``O_NONBLOCK`` a planted FIFO cannot hang the open), and so is
   anything but a regular file.
@@ -137,19 +137,24 @@ class AtomicFile:
     def fileno(self) -> int:
         return self._file.fileno()
 
-    def commit(self) -> None:
-        """Put the content on disk, then under ``path``; `FileError` (and ``path`` as it
-        was) when that fails."""
+    def commit(self, *, durable: bool = True) -> None:
+        """Put the content under ``path``; `FileError` (and ``path`` as it was) when that
+        fails. ``durable``: on disk first, and the rename too, so that both survive a
+        power cut. Without, readers still see the old file or the whole new one, but a
+        power cut may leave the old file, or on some file systems an empty one."""
         try:
             self.flush()
-            # Before the rename: a rename that reaches the disk before the data would leave
-            # an empty or partial file under the name after a power cut.
-            os.fsync(self._file.fileno())
+            if durable:
+                # Before the rename: a rename that reaches the disk before the data would
+                # leave an empty or partial file under the name after a power cut.
+                os.fsync(self._file.fileno())
             self._file.close()
             os.replace(self.temporary, self.path)
         except OSError as error:
             self.discard()
             raise self._failed(self._failure or error) from None
+        if not durable:
+            return
         try:
             _fsync_folder(self.path.parent)
         except OSError as error:  # the file is in place; its name may not survive a power cut
@@ -184,11 +189,14 @@ class AtomicFile:
         return FileError(self.path, "write", f"{failure.reason} ({kept})")
 
 
-def write_atomically(path: Path, data: bytes | str, *, mode: int = 0o666) -> None:
-    """Replace ``path`` with ``data`` (text is written as UTF-8) as a whole; see `AtomicFile`."""
+def write_atomically(
+    path: Path, data: bytes | str, *, mode: int = 0o666, durable: bool = True
+) -> None:
+    """Replace ``path`` with ``data`` (text is written as UTF-8) as a whole; see `AtomicFile`
+    (and its `commit` for ``durable``)."""
     with AtomicFile(path, mode=mode) as target:
         target.write(data.encode() if isinstance(data, str) else data)
-        target.commit()
+        target.commit(durable=durable)
 
 
 def remove_incomplete(path: Path) -> list[Path]:

@@ -123,7 +123,8 @@ class MetricsLog:
         writer = csv.writer(text)
         writer.writerow(FIELDS)
         writer.writerows(rows)
-        write_atomically(self.path, text.getvalue())
+        # Not fsynced, like the rows appended later: the checkpoint is what must survive.
+        write_atomically(self.path, text.getvalue(), durable=False)
 
     def write(self, metrics: EpochMetrics) -> None:
         try:

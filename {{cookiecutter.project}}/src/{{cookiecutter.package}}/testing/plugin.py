@@ -430,7 +430,7 @@ class _DecisionHooks:
         if self.json_file is not None:
             report = json.dumps(self.coverage.to_json(), indent=2, allow_nan=False)
             try:
-                write_atomically(self.json_file, report)
+                write_atomically(self.json_file, report, durable=False)  # a report
             except FileError as error:
                 self.json_error = error
         if self.strict and self.coverage.one_sided() and session.exitstatus == 0:
