@@ -763,10 +763,9 @@ def resume_command(config: Config, launch: Launch) -> str:
     module = f"{PACKAGE}.train"
     if not launch.torchrun:
         return f"{command_name(module)} {shlex.join(args)}"
-    if launch.world_size == launch.local_world_size:  # one node
-        launcher = f"torchrun --standalone --nproc_per_node {launch.local_world_size}"
-    else:
-        launcher = "torchrun <this job's torchrun options, on every node>"
+    if launch.world_size != launch.local_world_size:  # several nodes: their rendezvous
+        return f"torchrun with this job's options on every node, -m {module} {shlex.join(args)}"
+    launcher = f"torchrun --standalone --nproc_per_node {launch.local_world_size}"
     return f"{launcher} -m {module} {shlex.join(args)}"
 
 
