@@ -470,3 +470,14 @@ def test_json_into_a_pipe_whose_reader_left(default_project: Path) -> None:
     errors = process.stderr.read().decode()
     assert process.wait() == 128 + signal.SIGPIPE, errors
     assert errors == ""
+
+
+def test_ctrl_c_during_the_checks(checks, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Ctrl-C while the checks run: one line and 130 (128 + SIGINT), not a traceback."""
+
+    def interrupted(*args: object, **kwargs: object) -> list:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checks, "run_checks", interrupted)
+    assert checks.main([]) == 128 + signal.SIGINT
+    assert capsys.readouterr().err == f"python -m {DOCTOR}: interrupted\n"

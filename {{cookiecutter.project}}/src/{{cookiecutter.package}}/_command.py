@@ -46,8 +46,9 @@ def _silence_stdout() -> None:
 def reports_errors(module: str) -> Callable[[Callable[..., int]], Callable[..., int]]:
     """Decorate a command's ``main``: a `CommandError` it raises becomes one
     ``<command>: error: ...`` line on stderr and its status; a reader that went away
-    (``<command> | head``) ends the command quietly with 128 + SIGPIPE, as a program
-    killed by that signal would."""
+    (``<command> | head``) ends the command quietly with 128 + SIGPIPE, and Ctrl-C
+    with ``<command>: interrupted`` and 128 + SIGINT, as shells report a program
+    killed by those signals."""
 
     def decorate(main: Callable[..., int]) -> Callable[..., int]:
         @functools.wraps(main)
@@ -62,6 +63,9 @@ def reports_errors(module: str) -> Callable[[Callable[..., int]], Callable[..., 
             except CommandError as error:
                 print(f"{command_name(module)}: error: {error}", file=sys.stderr)
                 return error.status
+            except KeyboardInterrupt:  # Ctrl-C where the command does not handle it itself
+                print(f"{command_name(module)}: interrupted", file=sys.stderr)
+                return 128 + signal.SIGINT
 
         return reporting
 
