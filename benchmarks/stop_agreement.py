@@ -18,6 +18,7 @@ it then runs itself under ``python -m torch.distributed.run --standalone``.
 from __future__ import annotations
 
 import argparse
+import functools
 import io
 import os
 import statistics
@@ -78,9 +79,13 @@ def measure(options: argparse.Namespace) -> None:
                     run_dir=folder,
                 )
                 _preemption.StopAgreement.signal = signal
-                stop = _preemption.StopSignal()
-                run = lambda: train.train(  # noqa: E731
-                    config, launched, torch.device("cpu"), log=io.StringIO(), stop=stop
+                run = functools.partial(
+                    train.train,
+                    config,
+                    launched,
+                    torch.device("cpu"),
+                    log=io.StringIO(),
+                    stop=_preemption.StopSignal(),
                 )
                 dist.barrier()
                 if repeat:
