@@ -47,10 +47,13 @@ import contextlib
 import datetime
 import faulthandler
 import gc
+import importlib
 import math
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.resource_tracker
 import os
+import pickle
 import shutil
 import signal
 import statistics
@@ -61,7 +64,6 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
@@ -126,13 +128,16 @@ DEFAULT_LR = 0.01
 # TIMED_STEPS, each after WARMUP_STEPS that let DDP rebuild its buckets, the
 # configurations alternating; the median of the slowest rank's times is reported.
 TIMING_ROUNDS = 3
-TIMED_STEPS = 5
+TIMED_STEPS = 10
 WARMUP_STEPS = 2
 # Once the check knows DDP must fail (a parameter unused without
 # find_unused_parameters), how long to wait for DDP's own error: it comes at the next
 # step's forward, within milliseconds; the wait only bounds a rank stuck in the
 # all-reduce the other ranks never join.
 DOOMED_GRACE = 5.0
+# How long to listen for the other ranks' errors once one rank raised in a step that had
+# to fail: DDP raises on every rank that starts its next forward, within milliseconds.
+DRAIN_WAIT = 1.0
 # How long a hung rank gets to write its stack (faulthandler, on SIGUSR1).
 STACK_WAIT = 1.0
 # How long a rank gets to exit after the last command before it is killed.
@@ -140,7 +145,7 @@ EXIT_WAIT = 5.0
 # Branch decisions flipped one at a time to find what decides a parameter's use.
 MAX_FLIPS = 32
 BACKENDS = ("gloo", "nccl")
-START_METHODS = (None, "fork", "spawn", "forkserver")
+START_METHODS = (None, "fork", "spawn")
 _OPTIONS = (
     "forward_kwargs",
     "world_size",
@@ -269,7 +274,8 @@ class StaticGraphUnsafe(DdpCheckFailure):
 
 class RankFailed(DdpCheckFailure):
     """A rank raised (``how="raised"``), died (``"died"``) or did not finish in time
-    (``"timed out"``) at ``step`` (0: while starting); ``location`` is the user's line
+    (``"timed out"``) at ``step`` (0: while starting), in ``phase`` (``"forward"``,
+    ``"backward"``, ...); ``location`` is the user's line
     it was at, where known; ``error`` the exception raised, as ``"Type: message"``; ``pids``
     are every process the check started (none is left)."""
 
@@ -282,11 +288,13 @@ class RankFailed(DdpCheckFailure):
         location: Location | None,
         pids: Sequence[int],
         error: str | None = None,
+        phase: str = "",
     ) -> None:
         super().__init__(message)
         self.rank = rank
         self.how = how
         self.step = step
+        self.phase = phase
         self.location = location
         self.pids = tuple(pids)
         self.error = error
@@ -596,7 +604,7 @@ def _start_method(requested: str | None, job: _Job) -> str:
         method = "fork" if forkable and not torch.cuda.is_initialized() else "spawn"
     if method != "fork":
         try:
-            ForkingPickler.dumps(job)
+            pickle.dumps(job)
         except Exception as error:
             why = (
                 "CUDA is initialized in this process, so the ranks cannot be forked and are spawned"
@@ -631,6 +639,15 @@ class _Job:
 
 
 # --- the test's process: launches, events, decisions ----------------------------------
+
+
+class _Files:
+    """Where one process of a launch keeps its files in the launch's folder."""
+
+    def __init__(self, folder: Path, role: int) -> None:
+        self.store = folder / ("single" if role == REFERENCE else "ranks")  # its FileStore
+        self.stack = folder / f"stack{role}.txt"  # faulthandler's dump, on SIGUSR1
+        self.error = folder / f"error{role}.pickle"  # what it raised, if it did
 
 
 @dataclass
@@ -671,6 +688,10 @@ class _Launch:
     def __init__(self, job: _Job, method: str) -> None:
         self.job = job
         self.context = multiprocessing.get_context(method)
+        # A forked child has its own copy of everything. A spawned one gets the job as
+        # plain pickled bytes: handed over as objects, torch would move its tensors to
+        # memory shared by every process, and each rank's optimizer would step them all.
+        self.payload: _Job | bytes = job if method == "fork" else pickle.dumps(job)
         self.roles = [*range(job.world_size), REFERENCE]
         self.folder = Path(tempfile.mkdtemp(prefix="ddp_check-"))
         self.processes: dict[int, Any] = {}
@@ -681,20 +702,22 @@ class _Launch:
         self.pids: list[int] = []
         self.failed = False
         self.closed = False
+        self.started_tracker = False
 
     def start(self) -> float:
         """Start every process; the seconds until all have joined their process groups."""
         if self.context.get_start_method() == "fork":
             # DDP's constructor reads a torch._dynamo setting, and importing dynamo takes
             # seconds: imported here once, every forked process has it.
-            import torch._dynamo  # noqa: F401
+            importlib.import_module("torch._dynamo")
+        else:
+            self.started_tracker = not _resource_tracker_running()
         started = time.perf_counter()
         for role in self.roles:
             parent_end, child_end = self.context.Pipe()
-            group = "single" if role == REFERENCE else "ranks"
             process = self.context.Process(
                 target=_child_main,
-                args=(self.job, role, str(self.folder / group), str(self._dump(role)), child_end),
+                args=(self.payload, role, str(self.folder), child_end),
                 kwargs={"parent": os.getpid()},
                 name=f"ddp_check {_role_name(role)}",
                 daemon=True,
@@ -716,9 +739,6 @@ class _Launch:
             ready.add(self.next(deadline, "starting").rank)
         self.idle.update(self.roles)
         return time.perf_counter() - started
-
-    def _dump(self, role: int) -> Path:
-        return self.folder / f"stack{role}.txt"
 
     def send(self, role: int, *command: Any) -> None:
         self.idle.discard(role)
@@ -775,6 +795,34 @@ class _Launch:
             ]
             multiprocessing.connection.wait(waitables, timeout=remaining)
 
+    def drain(self, within: float) -> list[RankFailed]:
+        """The errors the processes still raise within ``within`` seconds."""
+        deadline = time.monotonic() + within
+        raised: dict[int, RankFailed] = {}
+        while True:
+            open_ends = {
+                connection: role
+                for role, connection in self.connections.items()
+                if role not in self.silent
+            }
+            remaining = deadline - time.monotonic()
+            if not open_ends or remaining <= 0:
+                break
+            for connection in multiprocessing.connection.wait(list(open_ends), remaining):
+                role = open_ends[connection]  # type: ignore[index]
+                try:
+                    event = _Event(*connection.recv())  # type: ignore[union-attr]
+                except (EOFError, OSError):
+                    self.silent.add(role)
+                    continue
+                if event.kind == "error":
+                    raised[role] = self._raised(event)
+        for role in self.silent - set(raised):
+            with contextlib.suppress(OSError, pickle.UnpicklingError, EOFError):
+                event = _Event(*pickle.loads(_Files(self.folder, role).error.read_bytes()))
+                raised[role] = self._raised(event)
+        return list(raised.values())
+
     def _where(self, role: int) -> str:
         last = self.last.get(role)
         if last is None:
@@ -799,9 +847,12 @@ class _Launch:
             location,
             self.pids,
             error=f"{event.data['type']}: {event.data['message']}",
+            phase=event.phase,
         )
 
     def _died(self, role: int, exitcode: int | None, doing: str) -> RankFailed:
+        with contextlib.suppress(OSError, pickle.UnpicklingError, EOFError):
+            return self._raised(_Event(*pickle.loads(_Files(self.folder, role).error.read_bytes())))
         how = (
             f"killed by {signal.Signals(-exitcode).name}"
             if exitcode is not None and exitcode < 0
@@ -853,7 +904,7 @@ class _Launch:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process.pid, signal.SIGUSR1)
         time.sleep(STACK_WAIT)
-        return {role: _stack_locations(self._dump(role)) for role in roles}
+        return {role: _stack_locations(_Files(self.folder, role).stack) for role in roles}
 
     def close(self) -> None:
         """End every process (asked to exit after a launch that went well, killed at once
@@ -874,6 +925,25 @@ class _Launch:
         for connection in self.connections.values():
             connection.close()
         shutil.rmtree(self.folder, ignore_errors=True)
+        if self.started_tracker:
+            _stop_resource_tracker()
+
+
+def _resource_tracker_running() -> bool:
+    # multiprocessing starts its resource tracker process with the first spawned child
+    # and keeps it until this process ends; the check ends the one it started. Python
+    # has no public API for this: ``_resource_tracker``, ``_pid`` and ``_stop`` are
+    # multiprocessing's own (3.8 and later).
+    tracker = getattr(multiprocessing.resource_tracker, "_resource_tracker", None)
+    return getattr(tracker, "_pid", None) is not None
+
+
+def _stop_resource_tracker() -> None:
+    tracker = getattr(multiprocessing.resource_tracker, "_resource_tracker", None)
+    stop = getattr(tracker, "_stop", None)
+    if stop is not None:
+        with contextlib.suppress(Exception):
+            stop()
 
 
 def _role_name(role: int) -> str:
@@ -965,7 +1035,14 @@ class _Checker:
             except _Stopped as stop:
                 if not self.doomed:
                     raise
-                ddp_error = stop.failure
+                # DDP raises at the next forward; a rank that waited for the others in the
+                # all-reduce may fail first, on the broken connection: DDP's error is the one
+                # raised in a forward.
+                raised = [stop.failure, *launch.drain(DRAIN_WAIT)]
+                ddp_error = next(
+                    (f for f in raised if isinstance(f, RankFailed) and f.phase == "forward"),
+                    stop.failure,
+                )
             if self.doomed:
                 launch.close()
                 raise _Stopped(self._unused_failure(ddp_error))
@@ -1415,29 +1492,37 @@ class _Checker:
 
     def _reference_cause(self, step: int) -> str:
         single = self.reference[step]["decisions"]
-        for rank in self.ranks:
-            log = self.record[step][rank].decisions
-            found = first_divergence(single, log)
-            if found is None:
-                continue
-            k, one, theirs = found
-            decision = one or theirs
-            assert decision is not None
-            values = ", ".join(
-                f"rank {r} {self.record[step][r].decisions[k - 1].value}"
-                for r in self.ranks
-                if k <= len(self.record[step][r].decisions)
-            )
+        logs = {rank: self.record[step][rank].decisions for rank in self.ranks}
+        joined = [decision for rank in self.ranks for decision in logs[rank]]
+        same = len(single) == len(joined) and all(
+            a.op == b.op and a.location == b.location and repr(a.value) == repr(b.value)
+            for a, b in zip(single, joined, strict=True)
+        )
+        if not same:
+            for rank in self.ranks:
+                found = first_divergence(single, logs[rank])
+                if found is None or not all(len(log) == len(single) for log in logs.values()):
+                    continue
+                k, one, theirs = found
+                decision = one or theirs
+                assert decision is not None
+                values = ", ".join(f"rank {r} {logs[r][k - 1].value}" for r in self.ranks)
+                return (
+                    f"cause: {_decision_text(decision)}: one process "
+                    f"{one.value if one else 'made none'}, {values}. The forward decides on the "
+                    "whole batch, and under DDP each rank decides on its own part: make the "
+                    "decision per sample, or on a statistic all_reduced over the ranks."
+                )
             return (
-                f"cause: {_decision_text(decision)}: one process "
-                f"{one.value if one else 'made none'}, {values}. The forward decides on the whole "
-                "batch, and under DDP each rank decides on its own part: make the decision per "
-                "sample, or on a statistic all_reduced over the ranks."
+                f"cause: one process made {len(single)} decisions on the concatenated batch, the "
+                "ranks "
+                + ", ".join(f"{len(logs[rank])} on rank {rank}" for rank in self.ranks)
+                + ", and they differ: the forward decides on the batch as a whole"
             )
         return (
-            "cause: the decisions agree, so the forward mixes samples (BatchNorm in training mode "
-            "normalizes over each rank's part: nn.SyncBatchNorm.convert_sync_batchnorm), or the "
-            "loss is not a mean over samples"
+            "cause: the decisions agree, sample for sample, so the forward mixes samples "
+            "(BatchNorm in training mode normalizes over each rank's part: "
+            "nn.SyncBatchNorm.convert_sync_batchnorm), or the loss is not a mean over samples"
         )
 
     def _static_graph(self) -> StaticGraphUnsafe | None:
@@ -1618,13 +1703,15 @@ class _Spy(TorchDispatchMode):
 
 
 def _child_main(
-    job: _Job, role: int, store: str, dump: str, connection: Any, *, parent: int
+    payload: _Job | bytes, role: int, folder: str, connection: Any, *, parent: int
 ) -> None:
     """The life of a rank (or of the single process): join the group, serve commands."""
     _die_with_parent(parent)
-    stack_file = open(dump, "w")  # noqa: SIM115 (faulthandler writes to it until the end)
+    job = payload if isinstance(payload, _Job) else pickle.loads(payload)
+    files = _Files(Path(folder), role)
+    stack_file = open(files.stack, "w")  # noqa: SIM115 (faulthandler writes to it until the end)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-    _Worker(job, role, connection).serve(store)
+    _Worker(job, role, connection, files.error).serve(str(files.store))
 
 
 def _die_with_parent(parent: int) -> None:
@@ -1645,10 +1732,11 @@ class _Exit(Exception):
 class _Worker:
     """One child process: a rank of the group, or the single process (``REFERENCE``)."""
 
-    def __init__(self, job: _Job, role: int, connection: Any) -> None:
+    def __init__(self, job: _Job, role: int, connection: Any, error_file: Path) -> None:
         self.job = job
         self.role = role
         self.connection = connection
+        self.error_file = error_file
         self.step = 0
         self.phase = "start-up"
         self.log: Sequence[Decision] | None = None
@@ -1688,33 +1776,37 @@ class _Worker:
         os._exit(code)
 
     def _report(self, error: BaseException) -> None:
+        """Tell the test's process what was raised: in a file first, which outlives this
+        process whatever becomes of its pipe (a socket whose peer closes with unread
+        data loses what it holds), then through the pipe."""
         here = os.path.abspath(__file__)
         user = [
             frame
             for frame in traceback.extract_tb(error.__traceback__)
             if not frame.filename.startswith(TORCH_DIR) and os.path.abspath(frame.filename) != here
         ]
-        location = Location(user[-1].filename, user[-1].lineno or 0) if user else None
         lines = str(error).strip().splitlines()
+        event = (
+            "error",
+            self.role,
+            self.step,
+            self.phase,
+            {
+                "type": type(error).__name__,
+                "message": lines[0] if lines else "",
+                "location": Location(user[-1].filename, user[-1].lineno or 0) if user else None,
+                "frames": [
+                    f"{display_path(frame.filename)}:{frame.lineno} in {frame.name}: {frame.line}"
+                    for frame in user[-4:]
+                ],
+            },
+        )
         with contextlib.suppress(Exception):
-            self.connection.send(
-                (
-                    "error",
-                    self.role,
-                    self.step,
-                    self.phase,
-                    {
-                        "type": type(error).__name__,
-                        "message": lines[0] if lines else "",
-                        "location": location,
-                        "frames": [
-                            f"{display_path(frame.filename)}:{frame.lineno} in {frame.name}: "
-                            f"{frame.line}"
-                            for frame in user[-4:]
-                        ],
-                    },
-                )
-            )
+            written = self.error_file.with_suffix(".partial")
+            written.write_bytes(pickle.dumps(event))
+            written.replace(self.error_file)  # whole or absent: the reader never sees half
+        with contextlib.suppress(Exception):
+            self.connection.send(event)
 
     def _setup(self, store: str) -> None:
         # No torch function mode of the test's process (pytest --decisions) in here.
@@ -1725,6 +1817,10 @@ class _Worker:
         # Every process of the check runs on this machine: loopback only.
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+        # DDP's constructor imports torch._dynamo (seconds): a spawned process pays for it
+        # here, in the start-up, rather than in its first step (a forked one has it).
+        importlib.import_module("torch._dynamo")
+
         alone = self.role == REFERENCE
         rank, world_size = (0, 1) if alone else (self.role, self.job.world_size)
         if self.job.backend == "nccl":

@@ -197,9 +197,9 @@ class Reach:
             return f"reached only when {shown} at {self.decision.location} is {self.outcome}"
         if self.first_use is not None:
             return (
-                f"used at {self.first_use}, but no gradient flows back from the outputs "
-                "(a result without a gradient in between: an integer or boolean tensor, "
-                ".item(), .numpy())"
+                f"used at {self.first_use}, but the result does not depend on it through "
+                "autograd: what it computes is not part of the result, or passes through an "
+                "operation without a gradient (an integer or boolean tensor, .item(), .numpy())"
             )
         tried = f" (each of {self.flips} flipped)" if self.flips else ""
         return (

@@ -581,8 +581,7 @@ class _Trainer:
                 ParametersNotUpdated(
                     f"{len(stuck)} of {len(self.parameters)} parameters of {subject} got a "
                     f"gradient but did not change in {len(self.losses)} steps of "
-                    f"{self.optimizer_text}:\n"
-                    + "\n".join(f"  {name}: {why}" for name, why in stuck.items()),
+                    f"{self.optimizer_text}:\n" + _grouped(stuck),
                     stuck,
                 )
             )
@@ -600,7 +599,7 @@ class _Trainer:
         if bad.culprit is not None:
             op, location = bad.culprit
             source = location.source
-            where = f"\n  made by {op} at {location}" + (f": `{source}`" if source else "")
+            where = f"\n  made by {op} at {location}" + (f" `{source}`" if source else "")
             where += " (the first operation that turned finite values into NaN or inf)"
         note = f"; {bad.note}" if bad.note else ""
         return NonFiniteValues(
@@ -640,14 +639,11 @@ class _Trainer:
     def _without_gradient_failure(
         self, subject: str, explained: dict[str, Reach]
     ) -> ParametersWithoutGradient:
-        groups: dict[str, list[str]] = {}
-        for name, reach in explained.items():
-            groups.setdefault(self._reach_text(reach), []).append(name)
-        lines = [f"  {_names_text(names)}: {why}" for why, names in groups.items()]
+        reasons = {name: self._reach_text(reach) for name, reach in explained.items()}
         return ParametersWithoutGradient(
             f"{len(explained)} of {len(self.parameters)} parameters of {subject} were never "
             f"given a gradient in {len(self.losses)} steps, so training never changes them:\n"
-            + "\n".join(lines),
+            + _grouped(reasons),
             explained,
         )
 
@@ -759,6 +755,14 @@ class _Trainer:
 
 def _names_text(names: Sequence[str]) -> str:
     return ", ".join(names)
+
+
+def _grouped(reasons: Mapping[str, str]) -> str:
+    """One line per reason: the parameters it holds for (a layer's weight and bias), then it."""
+    groups: dict[str, list[str]] = {}
+    for name, reason in reasons.items():
+        groups.setdefault(reason, []).append(name)
+    return "\n".join(f"  {_names_text(names)}: {reason}" for reason, names in groups.items())
 
 
 def _non_finite_text(tensor: torch.Tensor) -> str:
