@@ -169,7 +169,8 @@ def test_buffers_broadcast_from_rank_0(ddp_check):
 def test_one_batch_split_and_a_function(ddp_check):
     model = seeded(PerSampleNet)
     result = ddp_check(lambda x: model(x).tanh(), batch(rows=8))
-    assert result.world_size == 2 and result.subject == "test_one_batch_split_and_a_function.<lambda>"
+    assert result.world_size == 2
+    assert result.subject == "test_one_batch_split_and_a_function.<lambda>"
 
 
 def test_a_tiny_gpt2_that_returns_its_loss(ddp_check):

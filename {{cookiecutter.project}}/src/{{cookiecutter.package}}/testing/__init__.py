@@ -6,9 +6,9 @@ check only when its fixture is used. The checks, each behind the fixture of its
 name and each a plain function too, are peers: ``gradcheck``, ``determinism``
 (``autograd_determinism``), ``compile_check``, ``export_check``, ``training_check``,
 ``ddp_check`` and ``decisions`` (``pytest --decisions``). They import the modules of
-:data:`SHARED_FLOOR` and never each other (``tests/test_architecture.py`` checks it). ARCHITECTURE.md at the
-project's root says which module does what. Importing this package does not import
-torch.
+:data:`SHARED_FLOOR` and never each other (``tests/test_architecture.py`` checks it).
+ARCHITECTURE.md at the project's root says which module does what. Importing this
+package does not import torch.
 """
 
 __all__ = ["SHARED_FLOOR"]

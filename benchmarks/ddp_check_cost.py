@@ -1,0 +1,107 @@
+"""Where the time of ``ddp_check`` goes: starting the processes against the steps.
+
+For each model, ``ddp_check(model, batch_0, batch_1, find_unused_parameters=True)``
+runs ``--repeats`` times with 2 gloo ranks on the CPU (each rank one torch thread, as
+torchrun sets it). Its result reports the start-up (processes started and joined in
+their process groups, the model copied) and the checked steps (forward with the
+decision recorder and the collective spy, the pause for every rank's report, backward,
+the gradients sent to the test's process, the optimizer step); and, since
+``find_unused_parameters=True`` is asked, it times bare DDP steps of the same model
+(no recorder, no spy, nothing sent), which are the baseline: what the same steps cost
+in a training job. The table gives the medians, and the rest of the check's wall
+time (the single process's run, the comparisons, the timed steps themselves, ending
+the processes). ``--spawn`` adds one run with spawned ranks, which import torch
+themselves.
+
+    python benchmarks/ddp_check_cost.py [--repeats 3] [--spawn] [--src SRC]
+
+Bakes the default project to import the plugin's ``ddp_check`` unless ``--src``
+points at an existing generated project's ``src`` folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from baking import use_generated_src
+
+
+def cases():
+    """(name, model factory, the two ranks' batches) of each model measured."""
+    import torch
+    from dynamic_model import PerSampleNet, RoutedRefineNet
+    from torch import nn
+
+    def mlp():
+        return nn.Sequential(
+            nn.Linear(256, 1024), nn.Tanh(), nn.Linear(1024, 512), nn.Tanh(), nn.Linear(512, 3)
+        )
+
+    generator = torch.Generator().manual_seed(0)
+
+    def batch(rows: int, features: int, scale: float = 1.0):
+        return torch.randn(rows, features, generator=generator) * scale
+
+    return [
+        ("PerSampleNet (72 params), 8 rows", PerSampleNet, (batch(8, 8), batch(8, 8))),
+        ("RoutedRefineNet (204), 32 rows", RoutedRefineNet, (batch(32, 8, 3.0), batch(32, 8, 0.1))),
+        ("MLP (790,531), 64 rows", mlp, (batch(64, 256), batch(64, 256))),
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--spawn", action="store_true")
+    parser.add_argument("--src", default=None)
+    args = parser.parse_args()
+    use_generated_src(args.src)
+    import torch
+    import torch._dynamo  # imported by the first check anyway: not timed
+    from dynamic_model.testing.ddp_check import DEFAULT_STEPS, ddp_check
+
+    print(
+        f"ddp_check, 2 gloo ranks, {DEFAULT_STEPS} checked steps, medians of {args.repeats} "
+        "(ms; a bare step is DDP's own, without the check)"
+    )
+    print(
+        f"{'model':<34}{'check':>8}{'start-up':>10}{'checked':>9}{'per step':>9}"
+        f"{'bare step':>10}{'step x':>8}{'rest':>7}"
+    )
+    for name, factory, batches in cases():
+        runs = []
+        for _ in range(args.repeats):
+            torch.manual_seed(0)
+            model = factory()
+            started = time.perf_counter()
+            result = ddp_check(model, *batches, find_unused_parameters=True)
+            runs.append((time.perf_counter() - started, result))
+        total = statistics.median(wall for wall, _ in runs)
+        startup = statistics.median(r.startup_seconds for _, r in runs)
+        step = statistics.median(r.step_seconds for _, r in runs)
+        bare = statistics.median(r.cost.with_search for _, r in runs)
+        checked = step * DEFAULT_STEPS
+        print(
+            f"{name:<34}{total * 1e3:>8.0f}{startup * 1e3:>10.0f}{checked * 1e3:>9.0f}"
+            f"{step * 1e3:>9.1f}{bare * 1e3:>10.2f}{step / bare:>8.0f}"
+            f"{(total - startup - checked) * 1e3:>7.0f}"
+        )
+        if args.spawn:
+            torch.manual_seed(0)
+            started = time.perf_counter()
+            result = ddp_check(
+                factory(), *batches, find_unused_parameters=True, start_method="spawn"
+            )
+            print(
+                f"{'  spawned ranks':<34}{(time.perf_counter() - started) * 1e3:>8.0f}"
+                f"{result.startup_seconds * 1e3:>10.0f}"
+                f"{result.step_seconds * DEFAULT_STEPS * 1e3:>9.0f}"
+                f"{result.step_seconds * 1e3:>9.1f}"
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
