@@ -832,6 +832,8 @@ class _Launch:
                 f"in step {last.step}'s {last.phase}, in {last.data['op']} at "
                 f"{last.data['location']}{_source_text(last.data['location'])}"
             )
+        if last.step == 0:
+            return "after its start-up"
         return f"after step {last.step}'s {last.phase}"
 
     def _raised(self, event: _Event) -> RankFailed:
@@ -1499,23 +1501,24 @@ class _Checker:
             for a, b in zip(single, joined, strict=True)
         )
         if not same:
-            for rank in self.ranks:
-                found = first_divergence(single, logs[rank])
-                if found is None or not all(len(log) == len(single) for log in logs.values()):
-                    continue
-                k, one, theirs = found
-                decision = one or theirs
-                assert decision is not None
-                values = ", ".join(f"rank {r} {logs[r][k - 1].value}" for r in self.ranks)
-                return (
-                    f"cause: {_decision_text(decision)}: one process "
-                    f"{one.value if one else 'made none'}, {values}. The forward decides on the "
-                    "whole batch, and under DDP each rank decides on its own part: make the "
-                    "decision per sample, or on a statistic all_reduced over the ranks."
-                )
+            for k, decision in enumerate(single, start=1):
+                theirs = {rank: log[k - 1] for rank, log in logs.items() if k <= len(log)}
+                if any(d.location != decision.location for d in theirs.values()):
+                    break  # the ranks are elsewhere in the forward by now
+                if any(not d.same_as(decision) for d in theirs.values()) or len(theirs) < len(logs):
+                    values = ", ".join(
+                        f"rank {rank} {theirs[rank].value if rank in theirs else 'none'}"
+                        for rank in self.ranks
+                    )
+                    return (
+                        f"cause: {_decision_text(decision)}: one process {decision.value}, "
+                        f"{values}. The forward decides on the whole batch, and under DDP each "
+                        "rank decides on its own part: make the decision per sample, or on a "
+                        "statistic all_reduced over the ranks."
+                    )
             return (
-                f"cause: one process made {len(single)} decisions on the concatenated batch, the "
-                "ranks "
+                f"cause: one process made {len(single)} decision(s) on the concatenated batch, "
+                "the ranks "
                 + ", ".join(f"{len(logs[rank])} on rank {rank}" for rank in self.ranks)
                 + ", and they differ: the forward decides on the batch as a whole"
             )
