@@ -12,7 +12,11 @@ and the collective spy, the pause for every rank's report, backward, the gradien
 sent to the test's process, the optimizer step). The table gives the medians; a
 model that fails with the defaults (``RoutedRefineNet``: a parameter only one rank
 uses) shows the cost of the failure, which launches the ranks twice. ``--spawn`` adds
-one run with spawned ranks, which import torch themselves.
+one run with spawned ranks, which import torch themselves. ``DynamicNet`` is the
+model of the ``train`` command, at its default batch size per process, on batches
+whose every step runs the residual block: its "bare step" with
+``find_unused_parameters=True`` against the same without it is what the search costs
+``train`` per step.
 
     python benchmarks/ddp_check_cost.py [--repeats 3] [--spawn] [--src SRC]
 
@@ -32,7 +36,7 @@ from baking import use_generated_src
 def cases():
     """(name, model factory, the two ranks' batches) of each model measured."""
     import torch
-    from dynamic_model import PerSampleNet, RoutedRefineNet
+    from dynamic_model import DynamicNet, PerSampleNet, RoutedRefineNet
     from torch import nn
 
     def mlp():
@@ -49,6 +53,11 @@ def cases():
         ("PerSampleNet (72 params), 8 rows", PerSampleNet, (batch(8, 8), batch(8, 8))),
         ("RoutedRefineNet (204), 32 rows", RoutedRefineNet, (batch(32, 8, 3.0), batch(32, 8, 0.1))),
         ("MLP (790,531), 64 rows", mlp, (batch(64, 256), batch(64, 256))),
+        (
+            "DynamicNet of train (1,700), 64 rows",
+            lambda: DynamicNet(in_features=16, out_features=4),
+            (batch(64, 16, 4.0), batch(64, 16, 4.0)),
+        ),
     ]
 
 
@@ -65,11 +74,13 @@ def main() -> int:
 
     print(
         f"ddp_check, 2 gloo ranks, {DEFAULT_STEPS} checked steps, medians of {args.repeats} "
-        "(ms; a bare step is DDP's own, without the check)"
+        "(ms; a bare step is DDP's own, without the check, with find_unused_parameters=True; "
+        "'no search' the same without it, with the rewrite that touches every parameter "
+        "where one would be unused)"
     )
     print(
-        f"{'model':<34}{'defaults':>9}{'timed':>7}{'start-up':>9}{'per step':>9}"
-        f"{'bare step':>10}{'step x':>7}"
+        f"{'model':<38}{'defaults':>9}{'timed':>7}{'start-up':>9}{'per step':>9}"
+        f"{'bare step':>10}{'step x':>7}{'no search':>10}"
     )
     for name, factory, batches in cases():
         plain, timed = [], []
@@ -86,11 +97,13 @@ def main() -> int:
         startup = statistics.median(r.startup_seconds for _, r in timed)
         step = statistics.median(r.step_seconds for _, r in timed)
         bare = statistics.median(r.cost.with_search for _, r in timed)
+        without = statistics.median(r.cost.without_search for _, r in timed)
         failed = " (fails)" if plain[0][1] is None else ""
         print(
-            f"{name:<34}{statistics.median(w for w, _ in plain) * 1e3:>9.0f}"
+            f"{name:<38}{statistics.median(w for w, _ in plain) * 1e3:>9.0f}"
             f"{statistics.median(w for w, _ in timed) * 1e3:>7.0f}{startup * 1e3:>9.0f}"
-            f"{step * 1e3:>9.1f}{bare * 1e3:>10.2f}{step / bare:>7.0f}{failed}"
+            f"{step * 1e3:>9.1f}{bare * 1e3:>10.2f}{step / bare:>7.0f}{without * 1e3:>10.2f}"
+            f"{failed}"
         )
         if args.spawn:
             torch.manual_seed(0)
@@ -99,7 +112,7 @@ def main() -> int:
                 factory(), *batches, find_unused_parameters=True, start_method="spawn"
             )
             print(
-                f"{'  spawned ranks':<34}{'':>9}{(time.perf_counter() - started) * 1e3:>7.0f}"
+                f"{'  spawned ranks':<38}{'':>9}{(time.perf_counter() - started) * 1e3:>7.0f}"
                 f"{result.startup_seconds * 1e3:>9.0f}{result.step_seconds * 1e3:>9.1f}"
             )
     return 0
