@@ -18,7 +18,8 @@ whose every step runs the residual block: its "bare step" with
 ``find_unused_parameters=True`` against the same without it is what the search costs
 ``train`` per step.
 
-    python benchmarks/ddp_check_cost.py [--repeats 3] [--spawn] [--src SRC]
+    python benchmarks/ddp_check_cost.py [--repeats 3] [--spawn] [--rounds N] [--only NAME]
+        [--src SRC]
 
 Bakes the default project to import the plugin's ``ddp_check`` unless ``--src``
 points at an existing generated project's ``src`` folder.
@@ -65,24 +66,38 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--spawn", action="store_true")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="alternating blocks of timed steps per configuration (the check's own: 3); "
+        "more give a steadier per-step figure on a busy machine",
+    )
+    parser.add_argument("--only", default=None, help="only the models whose name holds this")
     parser.add_argument("--src", default=None)
     args = parser.parse_args()
     use_generated_src(args.src)
     import torch
     import torch._dynamo  # imported by the first check anyway: not timed
+    from dynamic_model.testing import ddp_check as module
     from dynamic_model.testing.ddp_check import DEFAULT_STEPS, DdpCheckFailure, ddp_check
+
+    if args.rounds is not None:
+        module.TIMING_ROUNDS = args.rounds
 
     print(
         f"ddp_check, 2 gloo ranks, {DEFAULT_STEPS} checked steps, medians of {args.repeats} "
         "(ms; a bare step is DDP's own, without the check, with find_unused_parameters=True; "
         "'no search' the same without it, with the rewrite that touches every parameter "
-        "where one would be unused)"
+        "where one would be unused; 'cpu' and 'cpu no': the same in CPU time)"
     )
     print(
         f"{'model':<38}{'defaults':>9}{'timed':>7}{'start-up':>9}{'per step':>9}"
-        f"{'bare step':>10}{'step x':>7}{'no search':>10}"
+        f"{'bare step':>10}{'step x':>7}{'no search':>10}{'cpu':>7}{'cpu no':>7}"
     )
     for name, factory, batches in cases():
+        if args.only and args.only not in name:
+            continue
         plain, timed = [], []
         for _ in range(args.repeats):
             for options, runs in (({}, plain), ({"find_unused_parameters": True}, timed)):
@@ -98,12 +113,14 @@ def main() -> int:
         step = statistics.median(r.step_seconds for _, r in timed)
         bare = statistics.median(r.cost.with_search for _, r in timed)
         without = statistics.median(r.cost.without_search for _, r in timed)
+        cpu = statistics.median(r.cost.cpu_with_search for _, r in timed)
+        cpu_without = statistics.median(r.cost.cpu_without_search for _, r in timed)
         failed = " (fails)" if plain[0][1] is None else ""
         print(
             f"{name:<38}{statistics.median(w for w, _ in plain) * 1e3:>9.0f}"
             f"{statistics.median(w for w, _ in timed) * 1e3:>7.0f}{startup * 1e3:>9.0f}"
             f"{step * 1e3:>9.1f}{bare * 1e3:>10.2f}{step / bare:>7.0f}{without * 1e3:>10.2f}"
-            f"{failed}"
+            f"{cpu * 1e3:>7.2f}{cpu_without * 1e3:>7.2f}{failed}"
         )
         if args.spawn:
             torch.manual_seed(0)

@@ -305,11 +305,14 @@ class RankFailed(DdpCheckFailure):
 
 @dataclass(frozen=True)
 class Cost:
-    """Per-step wall time of DDP with ``find_unused_parameters=True`` and without it (with
-    every parameter touched where some would be unused), median of the slowest rank."""
+    """Per-step time of DDP with ``find_unused_parameters=True`` and without it (with every
+    parameter touched where some would be unused): wall clock and the process's CPU
+    time, each the median over the steps of the slowest rank's time."""
 
-    with_search: float  # seconds per step, find_unused_parameters=True
-    without_search: float  # seconds per step, find_unused_parameters=False
+    with_search: float  # wall seconds per step, find_unused_parameters=True
+    without_search: float  # wall seconds per step, find_unused_parameters=False
+    cpu_with_search: float  # the same in CPU seconds, the stable figure on a busy machine
+    cpu_without_search: float
     touched: bool  # whether the run without it touched every parameter (the rewrite)
     steps: int
 
@@ -317,13 +320,18 @@ class Cost:
     def extra(self) -> float:
         return self.with_search - self.without_search
 
+    @property
+    def cpu_extra(self) -> float:
+        return self.cpu_with_search - self.cpu_without_search
+
     def __str__(self) -> str:
         baseline = "with the rewrite that touches every parameter" if self.touched else "without it"
-        share = f", {self.extra / self.without_search:+.0%}" if self.without_search > 0 else ""
         return (
             f"{self.with_search * 1e3:.3f} ms per step with it against "
-            f"{self.without_search * 1e3:.3f} ms {baseline} ({self.extra * 1e3:+.3f} ms"
-            f"{share}; median of {self.steps} steps of the slowest rank)"
+            f"{self.without_search * 1e3:.3f} ms {baseline} ({self.extra * 1e3:+.3f} ms; CPU "
+            f"time {self.cpu_with_search * 1e3:.3f} against {self.cpu_without_search * 1e3:.3f} "
+            f"ms, {self.cpu_extra * 1e3:+.3f} ms; medians of {self.steps} steps of the slowest "
+            "rank)"
         )
 
 
@@ -1562,17 +1570,16 @@ class _Checker:
         ]
         launch.to_ranks("time", configurations)
         deadline = time.monotonic() + self.job.timeout
-        per_rank: dict[int, list[list[float]]] = {}
+        per_rank: dict[int, dict[str, list[list[float]]]] = {}
         while len(per_rank) < len(self.ranks):
             event = self._next_of(launch, self.steps + 1, "timed steps", deadline, "timed steps")
-            per_rank[event.rank] = event.data["seconds"]
+            per_rank[event.rank] = event.data
         medians = []
-        for index in range(len(configurations)):
-            slowest = [
-                max(step) for step in zip(*(s[index] for s in per_rank.values()), strict=True)
-            ]
-            medians.append(statistics.median(slowest))
-        return Cost(medians[0], medians[1], touched, TIMING_ROUNDS * TIMED_STEPS)
+        for clock in ("wall", "cpu"):
+            for index in range(len(configurations)):
+                times = (rank[clock][index] for rank in per_rank.values())
+                medians.append(statistics.median(max(step) for step in zip(*times, strict=True)))
+        return Cost(*medians, touched=touched, steps=TIMING_ROUNDS * TIMED_STEPS)
 
     def _result(self, startup: float, cost: Cost | None) -> DdpResult:
         assert self.reference_info is not None
@@ -1931,7 +1938,8 @@ class _Worker:
         alternating blocks, so that a machine busy in one block costs every one alike."""
         self.phase = "timed steps"
         tensors = [tensor for _, tensor in self.parameters]
-        seconds: list[list[float]] = [[] for _ in configurations]
+        wall: list[list[float]] = [[] for _ in configurations]
+        cpu: list[list[float]] = [[] for _ in configurations]
         for _ in range(TIMING_ROUNDS):
             for index, (options, touch_all) in enumerate(configurations):
                 self.subject.reset()
@@ -1939,7 +1947,7 @@ class _Worker:
                 optimizer = self._optimizer()
                 for step in range(WARMUP_STEPS + TIMED_STEPS):
                     inputs = self.subject.fresh_inputs()
-                    started = time.perf_counter()
+                    started, cpu_started = time.perf_counter(), time.process_time()
                     loss = self._loss(network(*inputs.args, **inputs.kwargs))
                     if touch_all:  # the rewrite: every parameter in the graph, used or not
                         loss = loss + sum(tensor.sum() for tensor in tensors) * 0.0
@@ -1949,10 +1957,11 @@ class _Worker:
                     if self.device.type == "cuda":
                         torch.cuda.synchronize(self.device)
                     if step >= WARMUP_STEPS:
-                        seconds[index].append(time.perf_counter() - started)
+                        wall[index].append(time.perf_counter() - started)
+                        cpu[index].append(time.process_time() - cpu_started)
                 del network
                 gc.collect()  # DDP's reducer sits in reference cycles
-        self.send("done", seconds=seconds)
+        self.send("done", wall=wall, cpu=cpu)
 
     # --- the single process -----------------------------------------------------------
 
