@@ -4,7 +4,7 @@ For each model, ``ddp_check(model, batch_0, batch_1)`` runs ``--repeats`` times 
 DDP's defaults and as many with ``find_unused_parameters=True``, 2 gloo ranks on the
 CPU (each rank one torch thread, as torchrun sets it), the two alternating. With
 ``find_unused_parameters=True`` the check also times bare DDP steps of the model (no
-recorder, no spy, nothing sent), 60 of each configuration: they are the baseline,
+recorder, no spy, nothing sent), 30 of each configuration: they are the baseline,
 what the same steps cost in a training job, and they are most of that run's time.
 Its result reports the start-up (processes started and joined in their process
 groups, the model copied) and the checked steps (forward with the decision recorder
