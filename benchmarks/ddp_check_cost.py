@@ -32,18 +32,13 @@ import statistics
 import time
 
 from baking import use_generated_src
+from training_check_cost import mlp
 
 
 def cases():
     """(name, model factory, the two ranks' batches) of each model measured."""
     import torch
     from dynamic_model import DynamicNet, PerSampleNet, RoutedRefineNet
-    from torch import nn
-
-    def mlp():
-        return nn.Sequential(
-            nn.Linear(256, 1024), nn.Tanh(), nn.Linear(1024, 512), nn.Tanh(), nn.Linear(512, 3)
-        )
 
     generator = torch.Generator().manual_seed(0)
 

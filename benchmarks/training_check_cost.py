@@ -27,16 +27,19 @@ import time
 from baking import use_generated_src
 
 
+def mlp():
+    """A static model of 790,531 parameters, beside the dynamic ones (also for ddp_check)."""
+    from torch import nn
+
+    return nn.Sequential(
+        nn.Linear(256, 1024), nn.Tanh(), nn.Linear(1024, 512), nn.Tanh(), nn.Linear(512, 3)
+    )
+
+
 def cases():
     """(name, model factory, batch) of each model compared."""
     import torch
     from dynamic_model import DynamicNet, PerSampleNet, RoutedRefineNet
-    from torch import nn
-
-    def mlp():
-        return nn.Sequential(
-            nn.Linear(256, 1024), nn.Tanh(), nn.Linear(1024, 512), nn.Tanh(), nn.Linear(512, 3)
-        )
 
     generator = torch.Generator().manual_seed(0)
 

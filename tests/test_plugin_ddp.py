@@ -12,9 +12,8 @@ from it, except in the one test that spawns them.
 
 from __future__ import annotations
 
-import pytest
-from conftest import DEFAULT_PACKAGE, PLUGIN_MODULE
-from test_plugin_gradcheck import failure_reports
+from conftest import DEFAULT_PACKAGE
+from test_plugin_training import assert_failures, run_session
 
 HELPERS = f'''
 import os
@@ -331,13 +330,8 @@ EXPECTED_FAILURES = {
 }
 
 
-def run_session(pytester: pytest.Pytester, source: str, *args: str) -> pytest.RunResult:
-    pytester.makepyfile(helpers=HELPERS, test_session=source.format(package=DEFAULT_PACKAGE))
-    return pytester.runpytest_subprocess("-p", PLUGIN_MODULE, "-p", "no:cacheprovider", *args)
-
-
 def test_models_that_scale_pass_and_failing_ranks_are_ended(plugin_pytester):
-    result = run_session(plugin_pytester, PASSING, "-v")
+    result = run_session(plugin_pytester, PASSING, "-v", helpers=HELPERS)
     result.assert_outcomes(passed=11)
     result.stdout.fnmatch_lines(
         [
@@ -359,11 +353,4 @@ def test_models_that_scale_pass_and_failing_ranks_are_ended(plugin_pytester):
 
 
 def test_each_planted_bug_fails_with_its_cause(plugin_pytester):
-    result = run_session(plugin_pytester, FAILING)
-    reports = {name: pytest.LineMatcher(lines) for name, lines in failure_reports(result).items()}
-    assert sorted(reports) == sorted(EXPECTED_FAILURES)
-    result.assert_outcomes(failed=len(EXPECTED_FAILURES))
-    for name, report in reports.items():
-        report.fnmatch_lines(
-            [line.replace("[", "[[]") for line in EXPECTED_FAILURES[name]], consecutive=False
-        )
+    assert_failures(run_session(plugin_pytester, FAILING, helpers=HELPERS), EXPECTED_FAILURES)

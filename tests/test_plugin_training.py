@@ -383,9 +383,24 @@ EXPECTED_FAILURES = {
 }
 
 
-def run_session(pytester: pytest.Pytester, source: str, *args: str) -> pytest.RunResult:
-    pytester.makepyfile(helpers=HELPERS, test_session=source.format(package=DEFAULT_PACKAGE))
+def run_session(
+    pytester: pytest.Pytester, source: str, *args: str, helpers: str = HELPERS
+) -> pytest.RunResult:
+    """A pytest session in a fresh interpreter with the plugin, ``helpers.py`` and ``source``."""
+    pytester.makepyfile(helpers=helpers, test_session=source.format(package=DEFAULT_PACKAGE))
     return pytester.runpytest_subprocess("-p", PLUGIN_MODULE, "-p", "no:cacheprovider", *args)
+
+
+def assert_failures(result: pytest.RunResult, expected: dict[str, list[str]]) -> None:
+    """Exactly the tests of ``expected`` failed, each report holding its lines in order
+    (fnmatch patterns in which "[" stands for itself)."""
+    reports = {name: pytest.LineMatcher(lines) for name, lines in failure_reports(result).items()}
+    assert sorted(reports) == sorted(expected)
+    result.assert_outcomes(failed=len(expected))
+    for name, report in reports.items():
+        report.fnmatch_lines(
+            [line.replace("[", "[[]") for line in expected[name]], consecutive=False
+        )
 
 
 def test_models_that_learn_pass_and_report(plugin_pytester):
@@ -404,11 +419,4 @@ def test_models_that_learn_pass_and_report(plugin_pytester):
 
 
 def test_each_planted_bug_fails_with_its_cause(plugin_pytester):
-    result = run_session(plugin_pytester, FAILING)
-    reports = {name: pytest.LineMatcher(lines) for name, lines in failure_reports(result).items()}
-    assert sorted(reports) == sorted(EXPECTED_FAILURES)
-    result.assert_outcomes(failed=len(EXPECTED_FAILURES))
-    for name, report in reports.items():
-        report.fnmatch_lines(
-            [line.replace("[", "[[]") for line in EXPECTED_FAILURES[name]], consecutive=False
-        )
+    assert_failures(run_session(plugin_pytester, FAILING), EXPECTED_FAILURES)

@@ -92,6 +92,7 @@ from .parameter_use import (
     UseRecorder,
     conditional_parameters,
     explain_unreached,
+    located,
     reached_parameters,
     site_outcomes,
 )
@@ -838,7 +839,7 @@ class _Launch:
         if last.kind == "collective":
             return (
                 f"in step {last.step}'s {last.phase}, in {last.data['op']} at "
-                f"{last.data['location']}{_source_text(last.data['location'])}"
+                f"{located(last.data['location'])}"
             )
         if last.step == 0:
             return "after its start-up"
@@ -846,7 +847,7 @@ class _Launch:
 
     def _raised(self, event: _Event) -> RankFailed:
         location = event.data["location"]
-        at = f" at {location}{_source_text(location)}" if location else ""
+        at = f" at {located(location)}" if location else ""
         return RankFailed(
             f"{_role_name(event.rank)} raised in step {event.step} ({event.phase}){at}:\n"
             f"  {event.data['type']}: {event.data['message']}"
@@ -888,11 +889,8 @@ class _Launch:
             frames = stacks.get(role, [])
             if frames and location is None:
                 location = frames[0]
-            at = (
-                f"; its stack, innermost first: {', '.join(frames[:4])}{_source_text(frames[0])}"
-                if frames
-                else ""
-            )
+            shown = [located(frames[0]), *map(str, frames[1:4])] if frames else []
+            at = f"; its stack, innermost first: {', '.join(shown)}" if shown else ""
             lines.append(f"  {_role_name(role)}: {self._where(role)}{at}")
         first = next((role for role in silent if stacks.get(role)), silent[0] if silent else 0)
         last = self.last.get(first)
@@ -960,13 +958,8 @@ def _role_name(role: int) -> str:
     return "the single process" if role == REFERENCE else f"rank {role}"
 
 
-def _source_text(location: Location | None) -> str:
-    source = location.source if location is not None else ""
-    return f" `{source}`" if source else ""
-
-
 def _decision_text(decision: Decision) -> str:
-    return f"decision #{decision.index} at {decision.location}{_source_text(decision.location)}"
+    return f"decision #{decision.index} at {located(decision.location)}"
 
 
 def _stack_locations(dump: Path) -> list[Location]:
@@ -1199,7 +1192,7 @@ class _Checker:
         first = next(sequence[index] for sequence in calls.values() if index < len(sequence))
         lines = [
             f"the ranks called collectives differently in step {step}'s {phase}: collective "
-            f"#{index + 1} is {first.op} at {first.location}{_source_text(first.location)}"
+            f"#{index + 1} is {first.op} at {located(first.location)}"
         ]
         for rank, sequence in calls.items():
             call = sequence[index] if index < len(sequence) else None

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from .calls import graph_nodes
 from .control_flow import UNKNOWN_LOCATION, Decision, DecisionMode, Location, user_location
 from .trees import named_leaves
 
@@ -43,6 +44,7 @@ __all__ = [
     "conditional_parameters",
     "explain_unreached",
     "flip_order",
+    "located",
     "reached_parameters",
     "site_outcomes",
 ]
@@ -57,28 +59,20 @@ _CUTTING_CALLS: dict[Any, str] = {
 }
 
 
+def located(location: Location) -> str:
+    """``models.py:54 `if h.mean() > 0:``` : the line, and its code where it can be read."""
+    source = location.source
+    return f"{location} `{source}`" if source else str(location)
+
+
 def _graph_parameters(roots: Iterable[Any], wanted: dict[int, str]) -> set[str]:
     """The names (from ``wanted``, by id) of the leaf tensors the graphs of ``roots`` reach."""
-    found: set[str] = set()
-    pending = []
-    for root in roots:
-        if not isinstance(root, torch.Tensor) or not root.requires_grad:
-            continue
-        if root.grad_fn is None:
-            if id(root) in wanted:
-                found.add(wanted[id(root)])
-        else:
-            pending.append(root.grad_fn)
-    visited: set[int] = set()
-    while pending:
-        node = pending.pop()
-        if node is None or id(node) in visited:
-            continue
-        visited.add(id(node))
+    roots = [root for root in roots if isinstance(root, torch.Tensor) and root.requires_grad]
+    found = {wanted[id(root)] for root in roots if root.grad_fn is None and id(root) in wanted}
+    for node in graph_nodes(roots):
         variable = getattr(node, "variable", None)  # an AccumulateGrad node
         if variable is not None and id(variable) in wanted:
             found.add(wanted[id(variable)])
-        pending.extend(next_node for next_node, _ in node.next_functions)
     return found
 
 
@@ -102,11 +96,9 @@ class Cut:
     parameters: frozenset[str]
 
     def __str__(self) -> str:
-        source = self.location.source
-        shown = f" `{source}`" if source else ""
         if self.how == "torch.no_grad()":
-            return f"used with gradients off (torch.no_grad()) at {self.location}{shown}"
-        return f"cut off the graph by {self.how} at {self.location}{shown}"
+            return f"used with gradients off (torch.no_grad()) at {located(self.location)}"
+        return f"cut off the graph by {self.how} at {located(self.location)}"
 
 
 class UseRecorder(DecisionMode):
@@ -310,9 +302,8 @@ class SiteOutcomes:
     outcomes: tuple[tuple[Any, int], ...]
 
     def __str__(self) -> str:
-        source = self.location.source
         seen = ", ".join(f"{value} x{count}" for value, count in self.outcomes)
-        return f"{self.location}" + (f" `{source}`" if source else "") + f": {seen}"
+        return f"{located(self.location)}: {seen}"
 
 
 def site_outcomes(logs: Iterable[Sequence[Decision]]) -> tuple[SiteOutcomes, ...]:

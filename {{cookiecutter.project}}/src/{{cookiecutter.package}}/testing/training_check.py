@@ -42,6 +42,7 @@ from .control_flow import (
     Decision,
     DecisionMode,
     Location,
+    first_divergence,
     record_decisions,
     user_location,
     without_torch_function_modes,
@@ -54,6 +55,7 @@ from .parameter_use import (
     SiteOutcomes,
     UseRecorder,
     explain_unreached,
+    located,
     site_outcomes,
 )
 from .subject import Inputs, Subject
@@ -518,9 +520,11 @@ class _Trainer:
             with record_decisions() as log:
                 loss = self._loss(Inputs(args, kwargs, []), targets)
             (loss / micro_batches).backward()
-            divergence = _first_branch_divergence(whole_log, log)
+            divergence = first_divergence(
+                [d for d in whole_log if d.op in BRANCH_OPS], [d for d in log if d.op in BRANCH_OPS]
+            )
             if divergence is not None:
-                divergences.append((index + 1, *divergence))
+                divergences.append((index + 1, *divergence[1:]))
         accumulated = [tensor.grad for _, tensor in self.parameters]
         for _, tensor in self.parameters:
             tensor.grad = None
@@ -598,9 +602,10 @@ class _Trainer:
         op = location = None
         if bad.culprit is not None:
             op, location = bad.culprit
-            source = location.source
-            where = f"\n  made by {op} at {location}" + (f" `{source}`" if source else "")
-            where += " (the first operation that turned finite values into NaN or inf)"
+            where = (
+                f"\n  made by {op} at {located(location)} (the first operation that turned "
+                "finite values into NaN or inf)"
+            )
         note = f"; {bad.note}" if bad.note else ""
         return NonFiniteValues(
             f"{subject}: {bad.description} at step {bad.step} of {self.steps}{note}{where}",
@@ -728,11 +733,10 @@ class _Trainer:
             )
         for micro, whole, part in divergences:
             where = (whole or part).location  # type: ignore[union-attr]
-            source = where.source
             causes.append(
-                f"micro-batch {micro} decided {part.value if part else 'nothing'} at {where}"
-                + (f" `{source}`" if source else "")
-                + f" where the whole batch decided {whole.value if whole else 'nothing'}: "
+                f"micro-batch {micro} decided {part.value if part else 'nothing'} at "
+                f"{located(where)} where the whole batch decided "
+                f"{whole.value if whole else 'nothing'}: "
                 "the forward decides on the whole batch at once, so a micro-batch computes "
                 "something else"
             )
@@ -815,20 +819,6 @@ def _batch_size(inputs: Any, targets: Any, micro_batches: int) -> int:
             f"{size} samples into equal micro-batches"
         )
     return size // micro_batches
-
-
-def _first_branch_divergence(
-    whole: Sequence[Decision], part: Sequence[Decision]
-) -> tuple[Decision | None, Decision | None] | None:
-    """The first branch decision a micro-batch made otherwise than the whole batch."""
-    a = [d for d in whole if d.op in BRANCH_OPS]
-    b = [d for d in part if d.op in BRANCH_OPS]
-    for position in range(max(len(a), len(b))):
-        left = a[position] if position < len(a) else None
-        right = b[position] if position < len(b) else None
-        if left is None or right is None or not left.same_as(right):
-            return left, right
-    return None
 
 
 class _NonFiniteFinder(DecisionMode):
