@@ -459,7 +459,7 @@ def ddp_check(
     is ``"gloo"`` (ranks on the CPU) or ``"nccl"`` (rank ``r`` on ``cuda:r``).
     ``timeout`` bounds each launch of the ranks, in seconds. ``rtol``/``atol`` bound
     the difference from one process on the concatenated batch (by dtype when None).
-    ``start_method``: None forks the ranks where that is safe (Linux, CUDA not yet
+    ``start_method``: None forks the ranks where that is safe (Linux, gloo, CUDA not yet
     initialized in this process) and spawns them otherwise, which needs the model,
     inputs, ``loss_fn`` and ``optimizer`` to pickle. Raises a :class:`DdpCheckFailure`
     subclass; returns a :class:`DdpResult`.
@@ -607,24 +607,29 @@ def _nccl_unavailable(world_size: int) -> str | None:
 def _start_method(requested: str | None, job: _Job) -> str:
     """Fork where that is safe, spawn otherwise; a spawn needs everything to pickle."""
     method = requested
+    why = f"start_method={requested!r}"
     if method is None:
-        # A forked child cannot use CUDA once the parent has initialized it.
+        # CUDA does not survive a fork: a forked rank cannot use it once this process
+        # has, and NCCL ranks use it, so they are spawned whatever this process did.
         forkable = "fork" in multiprocessing.get_all_start_methods()
-        method = "fork" if forkable and not torch.cuda.is_initialized() else "spawn"
+        if job.backend == "nccl":
+            method, why = "spawn", "NCCL ranks use CUDA, so they are spawned, not forked"
+        elif not forkable or torch.cuda.is_initialized():
+            method = "spawn"
+            why = (
+                "CUDA is initialized in this process, so the ranks cannot be forked and are spawned"
+            )
+        else:
+            method = "fork"
     if method != "fork":
         try:
             pickle.dumps(job)
         except Exception as error:
-            why = (
-                "CUDA is initialized in this process, so the ranks cannot be forked and are spawned"
-                if requested is None
-                else f"start_method={requested!r}"
-            )
             raise TypeError(
                 f"ddp_check: {why}: the model, inputs, loss_fn and optimizer must then pickle, "
                 f"and they do not ({type(error).__name__}: {error}). Define the model's class "
-                "and any function at module level, or run ddp_check before this process uses "
-                "CUDA"
+                "and any function at module level (a lambda or a class defined in a test does "
+                "not pickle)"
             ) from error
     return method
 
