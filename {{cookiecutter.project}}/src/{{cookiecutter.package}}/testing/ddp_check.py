@@ -709,7 +709,8 @@ class _Launch:
         self.roles = [*range(job.world_size), REFERENCE]
         self.folder = Path(tempfile.mkdtemp(prefix="ddp_check-"))
         self.processes: dict[int, Any] = {}
-        self.connections: dict[int, Any] = {}
+        self.connections: dict[int, Any] = {}  # each process's events, to read
+        self.commands: dict[int, Any] = {}  # each process's commands, to write
         self.silent: set[int] = set()  # processes whose pipe is closed
         self.idle: set[int] = set()  # processes done with their commands so far
         self.last: dict[int, _Event] = {}
@@ -728,10 +729,15 @@ class _Launch:
             self.started_tracker = not _resource_tracker_running()
         started = time.perf_counter()
         for role in self.roles:
-            parent_end, child_end = self.context.Pipe()
+            # What travels through the pipes is pickled here with plain pickle, tensors
+            # by value: multiprocessing's own pickler would hand a tensor over as a file
+            # descriptor that the receiver fetches from the sender later, which fails once
+            # the sender is dead (a rank's last gradients before it was killed).
+            events, events_end = self.context.Pipe(duplex=False)
+            commands_end, commands = self.context.Pipe(duplex=False)
             process = self.context.Process(
                 target=_child_main,
-                args=(self.payload, role, str(self.folder), child_end),
+                args=(self.payload, role, str(self.folder), (events_end, commands_end)),
                 kwargs={"parent": os.getpid()},
                 name=f"ddp_check {_role_name(role)}",
                 daemon=True,
@@ -744,8 +750,10 @@ class _Launch:
                     "ignore", r"This process .* is multi-threaded", DeprecationWarning
                 )
                 process.start()
-            child_end.close()
-            self.processes[role], self.connections[role] = process, parent_end
+            events_end.close()
+            commands_end.close()
+            self.processes[role], self.connections[role] = process, events
+            self.commands[role] = commands
             self.pids.append(process.pid)
         deadline = time.monotonic() + self.job.timeout
         ready: set[int] = set()
@@ -757,7 +765,7 @@ class _Launch:
     def send(self, role: int, *command: Any) -> None:
         self.idle.discard(role)
         with contextlib.suppress(OSError):
-            self.connections[role].send(command)
+            self.commands[role].send_bytes(pickle.dumps(command))
 
     def to_ranks(self, *command: Any) -> None:
         for role in self.roles:
@@ -779,7 +787,7 @@ class _Launch:
                 if role in self.silent or not connection.poll():
                     continue
                 try:
-                    event = _Event(*connection.recv())
+                    event = _Event(*pickle.loads(connection.recv_bytes()))
                 except (EOFError, OSError):  # its end of the pipe is closed: it died
                     self.silent.add(role)
                     continue
@@ -825,7 +833,7 @@ class _Launch:
             for connection in multiprocessing.connection.wait(list(open_ends), remaining):
                 role = open_ends[connection]  # type: ignore[index]
                 try:
-                    event = _Event(*connection.recv())  # type: ignore[union-attr]
+                    event = _Event(*pickle.loads(connection.recv_bytes()))  # type: ignore[union-attr]
                 except (EOFError, OSError):
                     self.silent.add(role)
                     continue
@@ -935,7 +943,7 @@ class _Launch:
             if process.is_alive():
                 process.kill()
             process.join()
-        for connection in self.connections.values():
+        for connection in (*self.connections.values(), *self.commands.values()):
             connection.close()
         shutil.rmtree(self.folder, ignore_errors=True)
         if self.started_tracker:
@@ -1711,7 +1719,7 @@ class _Spy(TorchDispatchMode):
 
 
 def _child_main(
-    payload: _Job | bytes, role: int, folder: str, connection: Any, *, parent: int
+    payload: _Job | bytes, role: int, folder: str, pipes: tuple[Any, Any], *, parent: int
 ) -> None:
     """The life of a rank (or of the single process): join the group, serve commands."""
     _die_with_parent(parent)
@@ -1719,7 +1727,7 @@ def _child_main(
     files = _Files(Path(folder), role)
     stack_file = open(files.stack, "w")  # noqa: SIM115 (faulthandler writes to it until the end)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
-    _Worker(job, role, connection, files.error).serve(str(files.store))
+    _Worker(job, role, pipes, files.error).serve(str(files.store))
 
 
 def _die_with_parent(parent: int) -> None:
@@ -1740,10 +1748,10 @@ class _Exit(Exception):
 class _Worker:
     """One child process: a rank of the group, or the single process (``REFERENCE``)."""
 
-    def __init__(self, job: _Job, role: int, connection: Any, error_file: Path) -> None:
+    def __init__(self, job: _Job, role: int, pipes: tuple[Any, Any], error_file: Path) -> None:
         self.job = job
         self.role = role
-        self.connection = connection
+        self.events, self.commands = pipes
         self.error_file = error_file
         self.step = 0
         self.phase = "start-up"
@@ -1754,11 +1762,11 @@ class _Worker:
         if self.log is not None:
             data["decisions"] = list(self.log[self.sent_decisions :])
             self.sent_decisions = len(self.log)
-        self.connection.send((kind, self.role, self.step, self.phase, data))
+        self.events.send_bytes(pickle.dumps((kind, self.role, self.step, self.phase, data)))
 
     def receive(self) -> tuple:
         try:
-            command = self.connection.recv()
+            command = pickle.loads(self.commands.recv_bytes())
         except (EOFError, OSError):
             raise _Exit from None
         if command[0] == "exit":
@@ -1784,9 +1792,8 @@ class _Worker:
         os._exit(code)
 
     def _report(self, error: BaseException) -> None:
-        """Tell the test's process what was raised: in a file first, which outlives this
-        process whatever becomes of its pipe (a socket whose peer closes with unread
-        data loses what it holds), then through the pipe."""
+        """Tell the test's process what was raised: in a file first, which it reads when it
+        finds this process dead without the event (a send cut short), then in the pipe."""
         here = os.path.abspath(__file__)
         user = [
             frame
@@ -1814,7 +1821,7 @@ class _Worker:
             written.write_bytes(pickle.dumps(event))
             written.replace(self.error_file)  # whole or absent: the reader never sees half
         with contextlib.suppress(Exception):
-            self.connection.send(event)
+            self.events.send_bytes(pickle.dumps(event))
 
     def _setup(self, store: str) -> None:
         # No torch function mode of the test's process (pytest --decisions) in here.
