@@ -146,6 +146,7 @@ def test_per_sample_branches(ddp_check):
     assert isinstance(result, DdpResult)
     assert not result.find_unused_needed and result.static_graph_safe
     assert [rank for rank, _ in result.outcomes] == [0, 1]
+    assert not torch.distributed.is_initialized()  # this process joined no process group
 
 
 def test_a_branch_only_parameter_with_find_unused_parameters(ddp_check):
