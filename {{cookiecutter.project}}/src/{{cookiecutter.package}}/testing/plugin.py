@@ -25,6 +25,10 @@ by side each use their own copy.
   backward, with every graph break and recompilation traced to the user's line) and
   ``export_check`` (``torch.export`` against eager, and the rewrite that makes a
   data-dependent model exportable).
+- The fixtures ``training_check`` (a few real optimizer steps on one batch: every
+  parameter gets a gradient, is held by the optimizer and changes, the loss falls) and
+  ``ddp_check`` (the model under real DistributedDataParallel in N processes: unused
+  parameters, mismatched collectives and ranks that disagree, named by the decision).
 
 The hooks are thin: the decisions live in :mod:`..gpus` and :mod:`.global_state`.
 Loading this module does not import torch.
@@ -774,3 +778,43 @@ def export_check(request: pytest.FixtureRequest) -> Callable[..., Any]:
     from .export_check import summary
 
     return _reporting(request, "export_check", check, summary)
+
+
+@pytest.fixture
+def training_check(request: pytest.FixtureRequest) -> Callable[..., Any]:
+    """``training_check(model, (inputs, targets), /, loss_fn, optimizer=None, steps=5,
+    accumulation_steps=None, ...)``.
+
+    Runs ``steps`` real optimizer steps on the one batch, each from the same RNG states,
+    and puts the model, ``.grad``, the optimizer's state and the RNGs back. Fails
+    naming the parameters never given a gradient (with the branch decision that would
+    give them one), those the optimizer does not hold, those that got a gradient and
+    did not change, the first NaN or inf (step, tensor, the op at the user's line), a
+    loss that does not fall, and accumulated micro-batch gradients that are not the
+    whole batch's. With ``-v`` each check writes its report. See
+    :func:`.training_check.training_check`.
+    """
+    from .training_check import training_check as check
+
+    return _reporting(request, "training_check", check)
+
+
+@pytest.fixture
+def ddp_check(request: pytest.FixtureRequest) -> Callable[..., Any]:
+    """``ddp_check(model_or_fn, /, *inputs_per_rank, world_size=None, backend="gloo",
+    steps=3, find_unused_parameters=None, static_graph=None, timeout=60.0, ...)``.
+
+    Trains the model under real ``DistributedDataParallel`` in one process per batch
+    (gloo on the CPU, NCCL on GPUs when asked), against one process on the batches
+    concatenated; this process never joins the group, and every process it starts is
+    ended whatever happens. Fails naming parameters unused on some ranks (the decision
+    and each rank's outcome, and what ``find_unused_parameters=True`` costs here),
+    collectives called differently per rank (the line, each rank's count), ranks that
+    decide differently on the same samples, gradients that differ from one process,
+    and a rank that raised, died or hung. With ``-v`` each check writes its report:
+    the decisions per rank, whether ``find_unused_parameters`` is needed and
+    ``static_graph=True`` safe. See :func:`.ddp_check.ddp_check`.
+    """
+    from .ddp_check import ddp_check as check
+
+    return _reporting(request, "ddp_check", check)
