@@ -202,6 +202,32 @@ def test_find_unused_parameters_needed_in_one_process():
     assert find_unused_parameters_needed(seeded(RoutedRefineNet), batch(3.0)).needed
 
 
+def test_find_unused_parameters_kept_where_no_branch_can_show_it():
+    from {package}.models import TopKMixture
+    from {package}.testing.parameter_use import find_unused_parameters_needed
+
+    # Experts are picked by the rows nonzero() finds: an expert no row picks goes unused,
+    # with no branch decision the probe could turn.
+    mixture = find_unused_parameters_needed(seeded(lambda: TopKMixture(8, experts=4, k=1)), batch())
+    assert mixture.needed and not mixture.reasons
+    assert "shapes decided by the data (Tensor.nonzero at " in str(mixture)
+    assert str(mixture).startswith("find_unused_parameters=True kept: every parameter is used")
+
+    class Steps(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(3))
+
+        def forward(self, x):
+            for layer in self.layers[: int(x.abs().mean().item() * 10) % 4]:
+                x = layer(x)
+            return x
+
+    steps = find_unused_parameters_needed(seeded(Steps), batch())
+    assert steps.needed
+    assert "number(s) read off tensors (Tensor.item at " in str(steps)
+
+
 def test_a_rank_killed_mid_step_leaves_no_process(ddp_check):
     with pytest.raises(RankFailed) as failure:
         ddp_check(seeded(DiesOnRankOne), batch(), batch())
@@ -333,7 +359,7 @@ EXPECTED_FAILURES = {
 
 def test_models_that_scale_pass_and_failing_ranks_are_ended(plugin_pytester):
     result = run_session(plugin_pytester, PASSING, "-v", helpers=HELPERS)
-    result.assert_outcomes(passed=11)
+    result.assert_outcomes(passed=12)
     result.stdout.fnmatch_lines(
         [
             "ddp_check RoutedRefineNet: 2 ranks (gloo, cpu), 3 steps, DDP options: "

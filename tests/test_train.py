@@ -578,6 +578,11 @@ def test_torchrun_two_processes_on_cpu(default_project: Path, tmp_path: Path) ->
     result = torchrun(default_project, *args, "--run-dir", str(whole))
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("trained 2 epochs on 2 processes on cpu (gloo): loss ")
+    # DynamicNet's block is used only when its loop goes on: DDP must search for unused ones.
+    assert (
+        "DistributedDataParallel: find_unused_parameters=True needed: block.0.weight, "
+        "block.0.bias reached only when `if h.abs().mean() < self.tolerance:` at "
+    ) in result.stderr
     progress = [line for line in result.stderr.splitlines() if line.startswith("epoch ")]
     assert [line.split()[1] for line in progress] == ["1/2", "2/2"]  # rank 0 only
     assert "8/8" in progress[0]  # 512 samples in 2 shares of 256: 8 steps of 32

@@ -55,7 +55,11 @@ NCCL on GPUs, gloo on the CPU. `DynamicNet` skips its residual block for some
 batches, so in those steps the block's parameters get no gradient on that process.
 DDP has to be told (``find_unused_parameters=True``): otherwise that step's gradient
 reduction never finishes and the next step fails ("Expected to have finished
-reduction in the prior iteration").
+reduction in the prior iteration"). That costs a search of the graph at every step,
+so it is turned off only for a model whose every parameter is used whichever way each
+of its branch decisions goes on the first batch, and whose parameter use depends on
+nothing else the probe cannot turn (``testing.parameter_use.find_unused_parameters_needed``);
+rank 0 prints the answer and its reason.
 """
 
 from __future__ import annotations
@@ -92,6 +96,7 @@ from ._preemption import StopAgreement, StopSignal, stop_signals
 from ._progress import Progress
 from .gpus import cuda_unavailable_reason
 from .models import DynamicNet
+from .testing.parameter_use import find_unused_parameters_needed
 
 __all__ = [
     "Config",
@@ -427,10 +432,15 @@ class Trainer:
         )
         self.network: torch.nn.Module = self.model
         if launch.torchrun:
+            unused = find_unused_parameters_needed(
+                self.model, inputs[: config.batch_size].to(device)
+            )
+            if launch.rank == 0:
+                print(f"DistributedDataParallel: {unused}", file=log)
             self.network = DistributedDataParallel(
                 self.model,
                 device_ids=[device.index] if device.type == "cuda" else None,
-                find_unused_parameters=True,
+                find_unused_parameters=unused.needed,
             )
         self.autocast = (
             contextlib.nullcontext()

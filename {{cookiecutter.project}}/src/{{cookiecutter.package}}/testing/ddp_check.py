@@ -36,9 +36,8 @@ outlives the check. A passing model gets a :class:`DdpResult`: the decision outc
 per rank, whether ``find_unused_parameters`` is needed and ``static_graph=True``
 safe, and the start-up and step times.
 
-:func:`find_unused_parameters_needed` is the same analysis in one process, for a
-training command that sets up DDP: whether one branch decision decides the use of
-some parameter (then DDP needs ``find_unused_parameters=True``).
+:func:`.parameter_use.find_unused_parameters_needed` (also importable from here) is
+the analysis in one process, for a training command that sets up DDP.
 """
 
 from __future__ import annotations
@@ -82,16 +81,18 @@ from .control_flow import (
     first_divergence,
     record_decisions,
     user_location,
-    without_torch_function_modes,
 )
 from .failures import CheckFailure
 from .naming import describe_callable
 from .parameter_use import (
+    MAX_FLIPS,
+    FindUnusedAdvice,
     Reach,
     SiteOutcomes,
     UseRecorder,
     conditional_parameters,
     explain_unreached,
+    find_unused_parameters_needed,
     located,
     reached_parameters,
     site_outcomes,
@@ -144,7 +145,6 @@ STACK_WAIT = 1.0
 # How long a rank gets to exit after the last command before it is killed.
 EXIT_WAIT = 5.0
 # Branch decisions flipped one at a time to find what decides a parameter's use.
-MAX_FLIPS = 32
 BACKENDS = ("gloo", "nccl")
 START_METHODS = (None, "fork", "spawn")
 _OPTIONS = (
@@ -333,23 +333,6 @@ class Cost:
             f"time {self.cpu_with_search * 1e3:.3f} against {self.cpu_without_search * 1e3:.3f} "
             f"ms, {self.cpu_extra * 1e3:+.3f} ms; medians of {self.steps} steps of the slowest "
             "rank)"
-        )
-
-
-@dataclass(frozen=True)
-class FindUnusedAdvice:
-    """Whether DDP needs ``find_unused_parameters=True`` for a model, and why."""
-
-    needed: bool
-    reasons: tuple[str, ...]  # one line per group of parameters whose use is decided
-    flips: int  # branch decisions turned the other way to find out
-
-    def __str__(self) -> str:
-        if self.needed:
-            return "find_unused_parameters=True needed: " + "; ".join(self.reasons)
-        return (
-            "find_unused_parameters not needed: every parameter is used whichever way any "
-            f"one of the forward's {self.flips} branch decision(s) goes"
         )
 
 
@@ -1626,45 +1609,6 @@ def _first_sentence(text: str) -> str:
     return sentence + dot.strip() + (" ..." if rest else "")
 
 
-# --- find_unused_parameters for a training command ------------------------------------
-
-
-def find_unused_parameters_needed(
-    model: nn.Module, /, *inputs: Any, forward_kwargs: Mapping[str, Any] | None = None
-) -> FindUnusedAdvice:
-    """Whether ``DistributedDataParallel(model)`` needs ``find_unused_parameters=True``.
-
-    Runs the forward on ``inputs`` (one batch, in this process), then once for each of
-    its branch decisions turned the other way (:mod:`.parameter_use`): needed when some
-    parameter is not used in one of these runs, since a batch that goes that way would
-    leave it without a gradient. The model, its buffers and the RNGs are left as they
-    were. A forward whose use of parameters depends on something else than one branch
-    decision (a loop count from ``.item()``, two decisions at once) is not covered.
-    """
-    kwargs = calls.forward_kwargs_of("find_unused_parameters_needed", forward_kwargs)
-    subject = Subject(model, inputs, kwargs, failure=DdpCheckFailure)
-    parameters = subject.parameters
-
-    def run(recorder: UseRecorder) -> Any:
-        subject.reset()
-        fresh = subject.fresh_inputs()
-        with without_torch_function_modes(), recorder:
-            return subject.target(*fresh.args, **fresh.kwargs)
-
-    try:
-        reached, decided, flips = conditional_parameters(run, parameters, max_flips=MAX_FLIPS)
-    finally:
-        subject.reset()
-    unreached = [name for name, _ in parameters if name not in reached and name not in decided]
-    groups: dict[str, list[str]] = {}
-    for name, reach in decided.items():
-        groups.setdefault(str(reach), []).append(name)
-    reasons = [f"{', '.join(names)} {why}" for why, names in groups.items()]
-    if unreached:
-        reasons.insert(0, f"{', '.join(unreached)} not used by the forward on this batch")
-    return FindUnusedAdvice(bool(reasons), tuple(reasons), flips)
-
-
 # --- the ranks' processes ---------------------------------------------------------------
 
 
@@ -1998,12 +1942,12 @@ class _Worker:
             with recorder:
                 return self._loss(self.module(*fresh.args, **fresh.kwargs))
 
-        reached, decided, _ = conditional_parameters(run, self.parameters, max_flips=MAX_FLIPS)
+        use = conditional_parameters(run, self.parameters, max_flips=MAX_FLIPS)
         self.send(
             "reference-done",
             random=random,
             dtype=dtype,
-            at_risk=[name for name in decided if name in reached],
+            at_risk=[name for name in use.decided if name in use.reached],
         )
 
     def _explain(self, rank: int, names: list[str]) -> None:

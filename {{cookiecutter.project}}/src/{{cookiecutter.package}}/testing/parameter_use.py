@@ -18,7 +18,10 @@ of ``if h.mean() > 0:`` is reached for some batches and not for others.
   forward decided leads to it;
 - :func:`conditional_parameters`: the parameters whose use one branch decision
   decides, either way (what ``find_unused_parameters`` depends on);
-- :func:`site_outcomes`: how each line's branch decisions went over several forwards.
+- :func:`site_outcomes`: how each line's branch decisions went over several forwards;
+- :func:`find_unused_parameters_needed`: whether ``DistributedDataParallel`` needs
+  ``find_unused_parameters=True`` for a model, said only when the probe can show it
+  (what the ``train`` command and ``ddp_check`` ask).
 """
 
 from __future__ import annotations
@@ -31,18 +34,32 @@ from typing import Any
 
 import torch
 
+from . import calls
 from .calls import graph_nodes
-from .control_flow import UNKNOWN_LOCATION, Decision, DecisionMode, Location, user_location
+from .control_flow import (
+    UNKNOWN_LOCATION,
+    Decision,
+    DecisionMode,
+    Location,
+    user_location,
+    without_torch_function_modes,
+)
+from .failures import CheckFailure
+from .subject import Subject
 from .trees import named_leaves
 
 __all__ = [
     "BRANCH_OPS",
+    "MAX_FLIPS",
+    "ConditionalUse",
     "Cut",
+    "FindUnusedAdvice",
     "Reach",
     "SiteOutcomes",
     "UseRecorder",
     "conditional_parameters",
     "explain_unreached",
+    "find_unused_parameters_needed",
     "flip_order",
     "located",
     "reached_parameters",
@@ -51,6 +68,23 @@ __all__ = [
 
 # The decisions that pick one of two sides: these can be turned the other way.
 BRANCH_OPS = frozenset({"Tensor.__bool__", "torch.is_nonzero", "torch.equal", "torch.allclose"})
+# Branch decisions turned the other way, at most, per probe: each flip is one forward,
+# and the first decision of each (line, outcome) pair is tried first, so a handful
+# covers every branch of a typical forward.
+MAX_FLIPS = 32
+# Calls whose output's shape depends on the input's values: what follows may use a
+# parameter or not (an expert given no rows) without any branch decision to turn.
+_DATA_SHAPED_CALLS: dict[Any, str] = {
+    torch.nonzero: "torch.nonzero",
+    torch.Tensor.nonzero: "Tensor.nonzero",
+    torch.argwhere: "torch.argwhere",
+    torch.masked_select: "torch.masked_select",
+    torch.Tensor.masked_select: "Tensor.masked_select",
+    torch.unique: "torch.unique",
+    torch.Tensor.unique: "Tensor.unique",
+    torch.unique_consecutive: "torch.unique_consecutive",
+    torch.repeat_interleave: "torch.repeat_interleave",
+}
 # Calls that return a tensor cut off from the graph of their input.
 _CUTTING_CALLS: dict[Any, str] = {
     torch.Tensor.detach: ".detach()",
@@ -119,6 +153,8 @@ class UseRecorder(DecisionMode):
         self.decisions: list[Decision] = []
         self.first_use: dict[str, Location] = {}
         self.cuts: list[Cut] = []
+        # (call, line) of each call whose output's shape the data decided.
+        self.data_shaped: list[tuple[str, Location]] = []
         self._flip_now = False
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -137,6 +173,12 @@ class UseRecorder(DecisionMode):
         self.decisions.append(Decision(index, op, result, location))
 
     def computed(self, func: Any, args: tuple, kwargs: dict | None, result: Any) -> None:
+        shaped = _DATA_SHAPED_CALLS.get(func)
+        if shaped is None and func is torch.Tensor.__getitem__ and _boolean_index(args[1]):
+            shaped = "indexing with a boolean mask"
+        if shaped is not None:
+            where = user_location(sys._getframe(1)) or UNKNOWN_LOCATION
+            self.data_shaped.append((shaped, where))
         used = [name for name in map(self._names.get, map(id, _shallow(args, kwargs))) if name]
         how = _CUTTING_CALLS.get(func)
         if not used and how is None:
@@ -150,6 +192,11 @@ class UseRecorder(DecisionMode):
             cut_off = _graph_parameters([args[0]], self._names)
             if cut_off:
                 self.cuts.append(Cut(how, location, frozenset(cut_off)))
+
+
+def _boolean_index(index: Any) -> bool:
+    items = index if isinstance(index, tuple) else (index,)
+    return any(isinstance(item, torch.Tensor) and item.dtype == torch.bool for item in items)
 
 
 def _shallow(args: tuple, kwargs: dict | None) -> Iterable[Any]:
@@ -238,19 +285,28 @@ def explain_unreached(
     return {name: reasons[name] for name in unreached}
 
 
+@dataclass(frozen=True)
+class ConditionalUse:
+    """What :func:`conditional_parameters` found on one batch."""
+
+    reached: list[str]  # the parameters the forward reached, in their order
+    decided: dict[str, Reach]  # parameters whose being reached one branch decision turns
+    flips: int  # branch decisions turned the other way
+    recorder: UseRecorder  # the forward as it ran, unflipped
+
+
 def conditional_parameters(
     run: Callable[[UseRecorder], Any],
     parameters: Sequence[tuple[str, torch.Tensor]],
     *,
     max_flips: int,
-) -> tuple[list[str], dict[str, Reach], int]:
+) -> ConditionalUse:
     """Which parameters one branch decision decides the use of.
 
-    Returns the parameters the forward reaches as it runs, the :class:`Reach` of each
-    parameter whose being reached changes when one branch decision goes the other way
-    (``outcome`` is the side that reaches it), and how many decisions were flipped. A
-    forward with none is one whose parameters are all used, or all unused, whichever
-    way any one of its decisions goes.
+    ``decided`` holds the :class:`Reach` of each parameter whose being reached changes
+    when one branch decision goes the other way (``outcome`` is the side that reaches
+    it). A forward with none is one whose parameters are all used, or all unused,
+    whichever way any one of its decisions goes.
     """
     recorder = UseRecorder(parameters)
     reached = set(reached_parameters(run(recorder), parameters))
@@ -265,7 +321,9 @@ def conditional_parameters(
                 continue
             outcome = decision.value if name in reached else not decision.value
             decided[name] = Reach(name, decision=decision, outcome=bool(outcome))
-    return [name for name, _ in parameters if name in reached], decided, len(order)
+    return ConditionalUse(
+        [name for name, _ in parameters if name in reached], decided, len(order), recorder
+    )
 
 
 def _reached_when_flipped(
@@ -318,3 +376,101 @@ def site_outcomes(logs: Iterable[Sequence[Decision]]) -> tuple[SiteOutcomes, ...
         SiteOutcomes(location, tuple(sorted(seen.items(), key=lambda item: not item[0])))
         for location, seen in counts.items()
     )
+
+
+# --- find_unused_parameters for a training command ---------------------------------------
+
+
+class ParameterUseFailure(CheckFailure):
+    """The probe behind :func:`find_unused_parameters_needed` could not run the model."""
+
+    check = "find_unused_parameters_needed"
+
+
+@dataclass(frozen=True)
+class FindUnusedAdvice:
+    """Whether DDP needs ``find_unused_parameters=True`` for a model, and why.
+
+    ``reasons``: one line per group of parameters whose use a branch decision decides,
+    or that the forward did not use. ``unprobed``: what the forward does that can leave
+    a parameter unused without a branch to turn (a number read off a tensor, a shape
+    the data decides, more decisions than were turned); with any, the flag stays on.
+    """
+
+    needed: bool
+    reasons: tuple[str, ...]
+    unprobed: tuple[str, ...]
+    flips: int  # branch decisions turned the other way to find out
+
+    def __str__(self) -> str:
+        if self.reasons:
+            return "find_unused_parameters=True needed: " + "; ".join(self.reasons)
+        if self.unprobed:
+            return (
+                "find_unused_parameters=True kept: every parameter is used whichever way "
+                f"any one of the forward's {self.flips} branch decision(s) goes, but its use "
+                "may depend on what the probe cannot turn: " + "; ".join(self.unprobed)
+            )
+        return (
+            "find_unused_parameters not needed: every parameter is used whichever way any "
+            f"one of the forward's {self.flips} branch decision(s) goes"
+        )
+
+
+def find_unused_parameters_needed(
+    model: torch.nn.Module, /, *inputs: Any, forward_kwargs: Any = None
+) -> FindUnusedAdvice:
+    """Whether ``DistributedDataParallel(model)`` needs ``find_unused_parameters=True``.
+
+    Runs the forward on ``inputs`` (one batch, in this process), then once for each of
+    its branch decisions turned the other way (up to :data:`MAX_FLIPS`): needed when a
+    parameter is unused in one of these runs, since a batch that goes that way would
+    leave it without a gradient. Not needed is said only when nothing else in the
+    forward can decide a parameter's use: no number read off a tensor (``.item()``,
+    ``int()``, a loop count), no shape the data decides (``nonzero``, a boolean mask),
+    no branch decision left unturned. The model, its buffers and the RNGs are left as
+    they were.
+    """
+    kwargs = calls.forward_kwargs_of("find_unused_parameters_needed", forward_kwargs)
+    subject = Subject(model, inputs, kwargs, failure=ParameterUseFailure)
+    parameters = subject.parameters
+
+    def run(recorder: UseRecorder) -> Any:
+        subject.reset()
+        fresh = subject.fresh_inputs()
+        with without_torch_function_modes(), recorder:
+            return subject.target(*fresh.args, **fresh.kwargs)
+
+    try:
+        use = conditional_parameters(run, parameters, max_flips=MAX_FLIPS)
+    finally:
+        subject.reset()
+    unreached = [n for n, _ in parameters if n not in use.reached and n not in use.decided]
+    groups: dict[str, list[str]] = {}
+    for name, reach in use.decided.items():
+        groups.setdefault(str(reach), []).append(name)
+    reasons = [f"{', '.join(names)} {why}" for why, names in groups.items()]
+    if unreached:
+        reasons.insert(0, f"{', '.join(unreached)} not used by the forward on this batch")
+    unprobed = _unprobed(use)
+    return FindUnusedAdvice(bool(reasons or unprobed), tuple(reasons), tuple(unprobed), use.flips)
+
+
+def _unprobed(use: ConditionalUse) -> list[str]:
+    """What the forward did that can decide a parameter's use with no branch to turn."""
+    found = []
+    numbers = [d for d in use.recorder.decisions if d.op not in BRANCH_OPS]
+    if numbers:
+        first = numbers[0]
+        found.append(
+            f"{len(numbers)} number(s) read off tensors ({first.op} at {located(first.location)}"
+            + (" and more" if len(numbers) > 1 else "")
+            + ")"
+        )
+    if use.recorder.data_shaped:
+        call, where = use.recorder.data_shaped[0]
+        found.append(f"shapes decided by the data ({call} at {located(where)})")
+    branches = len([d for d in use.recorder.decisions if d.op in BRANCH_OPS])
+    if branches > use.flips:
+        found.append(f"{branches - use.flips} of {branches} branch decisions not turned")
+    return found

@@ -51,6 +51,7 @@ from .failures import CheckFailure
 from .naming import describe_callable
 from .parameter_use import (
     BRANCH_OPS,
+    MAX_FLIPS,
     Reach,
     SiteOutcomes,
     UseRecorder,
@@ -79,10 +80,6 @@ DEFAULT_STEPS = 5
 # Adam's own default learning rate: a step moves each weight by about lr whatever the
 # gradient's scale, so a correct model's loss falls within DEFAULT_STEPS steps.
 DEFAULT_LR = 1e-3
-# Branch decisions flipped one at a time to find what reaches an unreached parameter:
-# each flip is one forward, and the first decision of each (line, outcome) pair is
-# tried first, so a handful covers every branch of a typical forward.
-MAX_FLIPS = 32
 _OPTIONS = ("optimizer", "steps", "accumulation_steps", "forward_kwargs", "rtol", "atol")
 
 
