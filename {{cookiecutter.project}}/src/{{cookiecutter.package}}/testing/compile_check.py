@@ -926,10 +926,22 @@ def _eager_run(subject: Subject, cotangents: Cotangents) -> Run:
     try:
         return run_once(subject, cotangents)
     except Exception as error:
-        raised_by_model = origin(traceback_frames(error)[-1][0]) is not Origin.PLUGIN
-        if raised_by_model and not isinstance(error, CheckFailure) and hasattr(error, "add_note"):
+        model_error = not isinstance(error, CheckFailure) and not _raised_by_plugin(error)
+        if model_error and hasattr(error, "add_note"):  # Python 3.11 and later
             error.add_note(_EAGER_NOTE)
         raise
+
+
+def _raised_by_plugin(error: BaseException) -> bool:
+    """Whether this plugin raised ``error`` itself (not an op it passed on for the model)."""
+    innermost = None
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        innermost = frame
+    return (
+        innermost is not None
+        and origin(innermost.f_code.co_filename) is Origin.PLUGIN
+        and innermost.f_code.co_name not in control_flow.MODE_HANDLERS
+    )
 
 
 def _compiled_failure(

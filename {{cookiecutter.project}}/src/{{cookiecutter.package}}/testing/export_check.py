@@ -135,18 +135,17 @@ class ShapeGuard:
 @dataclass(frozen=True)
 class DraftGuard:
     """A data-dependent guard ``torch.export.draft_export`` met: torch's ``expression``,
-    the ``result`` it took with these inputs' values, how often, and where."""
+    how often, and where."""
 
     path: CallPath
     expression: str
-    result: str
     occurrences: int
 
     def __str__(self) -> str:
         where = self.path.innermost
         line = f"{where}: `{where.source}`: " if where else ""
         times = f" ({self.occurrences} times)" if self.occurrences > 1 else ""
-        return f"{line}{self.expression} -> {self.result}{times}"
+        return f"{line}guard {self.expression}{times}"
 
 
 @dataclass(frozen=True)
@@ -165,8 +164,8 @@ class DraftReport:
             return []
         count = len(self.guards)
         lines = [
-            "torch.export.draft_export, which records each such decision with these inputs' "
-            f"values, met {count} data-dependent guard(s)"
+            "torch.export.draft_export, which traces on where export stops (deciding with these "
+            f"inputs' values), met {count} data-dependent guard(s)"
             + (f" and {len(self.other)} other problem(s)" if self.other else "")
             + ":"
         ]
@@ -241,7 +240,7 @@ def export_check(
                 )
         except Exception as error:  # every refusal is explained the same way
             subject.reset()
-            raise _blocked(name, subject, error, dynamic_shapes, strict) from None
+            raise _blocked(name, subject, error, dynamic_shapes) from None
         finally:
             subject.reset()
     if torch_output.getvalue():
@@ -436,7 +435,7 @@ def _is_data_dependent(error: BaseException) -> bool:
 
 
 def _blocked(
-    name: str, subject: Subject, error: BaseException, dynamic_shapes: Any, strict: bool
+    name: str, subject: Subject, error: BaseException, dynamic_shapes: Any
 ) -> ExportCheckFailure:
     path = _error_path(error)
     where = path.innermost
@@ -454,7 +453,7 @@ def _blocked(
         if in_library and where
         else (rewrite(where, decision) if where else None)
     )
-    draft = _draft(subject, dynamic_shapes, strict)
+    draft = _draft(subject, dynamic_shapes)
     lines = [f"torch.export cannot export {name}: its forward makes a data-dependent decision"]
     if where:
         lines[0] += f" at {where}:"
@@ -495,9 +494,10 @@ def _library_advice(where: control_flow.Location) -> str:
     )
 
 
-def _draft(subject: Subject, dynamic_shapes: Any, strict: bool) -> DraftReport:
+def _draft(subject: Subject, dynamic_shapes: Any) -> DraftReport:
     """What ``torch.export.draft_export`` meets on the same inputs (it traces on where
-    export stops, deciding each data-dependent guard with the inputs' values)."""
+    export stops, deciding each data-dependent guard with the inputs' values; always
+    non-strict, which traces through what strict export refuses)."""
     fresh = subject.fresh_inputs()
     try:
         with contextlib.redirect_stderr(io.StringIO()):
@@ -506,7 +506,6 @@ def _draft(subject: Subject, dynamic_shapes: Any, strict: bool) -> DraftReport:
                 fresh.args,
                 fresh.kwargs,
                 dynamic_shapes=dynamic_shapes,
-                strict=strict,
             )
     except Exception as error:  # draft_export is a hint here: say why it stopped
         text = str(error).strip()
@@ -533,7 +532,6 @@ def _draft(subject: Subject, dynamic_shapes: Any, strict: bool) -> DraftReport:
                 DraftGuard(
                     call_path(frames),
                     str(data.get("expr", "")),
-                    str(data.get("result", "")),
                     int(data.get("occurrences", 1) or 1),
                 )
             )
