@@ -19,6 +19,7 @@ import contextlib
 import io
 import re
 import sys
+import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -229,6 +230,7 @@ def export_check(
     module = model_or_fn if isinstance(model_or_fn, nn.Module) else _FunctionModule(model_or_fn)
     name = describe_callable(model_or_fn)
     subject = Subject(module, sets[0], kwargs, failure=ExportCheckFailure)
+    above = [(f.filename, f.lineno or 0) for f in traceback.extract_stack()]  # the test's line
     torch_output = io.StringIO()
     with torch_logs.quiet():
         try:
@@ -240,7 +242,7 @@ def export_check(
                 )
         except Exception as error:  # every refusal is explained the same way
             subject.reset()
-            raise _blocked(name, subject, error, dynamic_shapes) from None
+            raise _blocked(name, subject, error, dynamic_shapes, above) from None
         finally:
             subject.reset()
     if torch_output.getvalue():
@@ -414,11 +416,15 @@ def _spelled(spec: Any) -> str:
 # --- explaining a refusal to export ---------------------------------------------------------
 
 
-def _error_path(error: BaseException) -> CallPath:
-    """The user's way to where torch gave up: the stack torch traced, else the traceback."""
-    stack = getattr(error, "real_stack", None) or []
-    traced = call_path((frame.filename, frame.lineno or 0) for frame in stack)
-    return traced if traced else call_path(traceback_frames(error))
+def _error_path(error: BaseException, above: list[tuple[str, int]]) -> CallPath:
+    """The user's way to where torch gave up, from the frames ``above`` the check: the
+    stack torch traced, else the traceback."""
+    stack = [
+        (frame.filename, frame.lineno or 0) for frame in getattr(error, "real_stack", None) or []
+    ]
+    if not call_path(stack):
+        stack = traceback_frames(error)
+    return call_path([*above, *stack])
 
 
 def _is_data_dependent(error: BaseException) -> bool:
@@ -435,9 +441,13 @@ def _is_data_dependent(error: BaseException) -> bool:
 
 
 def _blocked(
-    name: str, subject: Subject, error: BaseException, dynamic_shapes: Any
+    name: str,
+    subject: Subject,
+    error: BaseException,
+    dynamic_shapes: Any,
+    above: list[tuple[str, int]],
 ) -> ExportCheckFailure:
-    path = _error_path(error)
+    path = _error_path(error, above)
     where = path.innermost
     if not _is_data_dependent(error):
         first = str(error).strip().split("\n\n")[0]
@@ -460,7 +470,7 @@ def _blocked(
         lines.append(f"    {where.source}")
     if path.library:
         lines.append("  reached from your code:")
-        lines += path.lines(indent="  ")
+        lines += path.lines(indent="    ")
     if decision:
         lines.append(
             f"  decision in the eager run: {decision.op} -> {decision.value!r} "
@@ -487,10 +497,10 @@ def _blocked(
 def _library_advice(where: control_flow.Location) -> str:
     library = str(where).split("/", 1)[0]
     return (
-        f"The decision is in {library}'s code, not yours, so there is no line of yours to "
-        f"rewrite: torch.export cannot trace a call into code that decides in Python on "
-        f"tensor values. Export the parts of the model around that call, or use "
-        f"torch.compile, which runs such code between its graphs."
+        f"The decision is made inside {library}, not in your code, so there is no line of "
+        "yours to rewrite: torch.export cannot trace a call into code that decides in Python "
+        "on tensor values. Export the parts of the model around that call, or use "
+        "torch.compile, which runs such code between its graphs."
     )
 
 
