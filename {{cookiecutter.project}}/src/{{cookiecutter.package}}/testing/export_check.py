@@ -519,10 +519,10 @@ def _draft(subject: Subject, dynamic_shapes: Any) -> DraftReport:
             )
     except Exception as error:  # draft_export is a hint here: say why it stopped
         text = str(error).strip()
-        first = text.splitlines()[0] if text else ""
+        what = f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
         where = call_path(traceback_frames(error)).innermost
-        at = f" at {where}: `{where.source}`" if where else ""
-        return DraftReport(error=f"{type(error).__name__}: {first}{at}")
+        at = f" at {where}: `{where.source}`" if where else " inside torch"
+        return DraftReport(error=f"{what}{at}")
     finally:
         subject.reset()
     report = program._report  # draft_export's report has no public accessor
