@@ -49,7 +49,15 @@ from . import control_flow, torch_logs
 from .calls import forward_kwargs_of, input_sets, reject_unknown_keywords
 from .comparison import DEFAULT_TOLERANCES, close_mismatch, differing, tolerances_for
 from .failures import CheckFailure
-from .frames import CallPath, Origin, call_path, frames_in_text, origin, traceback_frames
+from .frames import (
+    CallPath,
+    Origin,
+    call_path,
+    frames_in_text,
+    origin,
+    stack_frames,
+    traceback_frames,
+)
 from .naming import describe_callable
 from .rewrites import rewrite
 from .runs import Cotangents, Phase, Progress, Run, run_once
@@ -62,6 +70,7 @@ __all__ = [
     "CompileMismatch",
     "CompiledRunFailed",
     "EagerFallback",
+    "FailedPhase",
     "GraphBreak",
     "Recompile",
     "TooManyGraphBreaks",
@@ -139,13 +148,21 @@ class CompileMismatch(CompileCheckFailure):
         self.eager, self.compiled = eager, compiled
 
 
+class FailedPhase(enum.Enum):
+    """Where a compiled run failed: compiling, or running the compiled forward or backward."""
+
+    COMPILE = "compile"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
 class CompiledRunFailed(CompileCheckFailure):
     """The model ran eagerly, and raised under ``torch.compile``.
 
-    ``phase`` is ``"compile"`` (dynamo or the backend failed while compiling),
-    ``"forward"`` or ``"backward"`` (the compiled code failed while running);
-    ``torch_error`` is torch's exception, ``path`` the user's line and the library
-    lines under it where torch says which line it was running.
+    ``phase`` is a :class:`FailedPhase`: dynamo or the backend failed while compiling,
+    or the compiled forward or backward failed while running; ``torch_error`` is
+    torch's exception, ``path`` the user's line and the library lines under it where
+    torch says which line it was running.
     """
 
     def __init__(
@@ -153,7 +170,7 @@ class CompiledRunFailed(CompileCheckFailure):
         message: str,
         *,
         backend: str,
-        phase: str,
+        phase: FailedPhase,
         input_set: int,
         path: CallPath,
         torch_error: BaseException,
@@ -355,10 +372,10 @@ class _Records(logging.Handler):
 def _above_dynamo() -> tuple[tuple[str, int], ...]:
     """The frames of this thread's stack above torch.compile's, outermost first."""
     frames = []
-    for summary in traceback.extract_stack():
-        if summary.filename.startswith(_DYNAMO_DIR):
+    for filename, line in stack_frames(sys._getframe(1)):
+        if filename.startswith(_DYNAMO_DIR):
             break
-        frames.append((summary.filename, summary.lineno or 0))
+        frames.append((filename, line))
     return tuple(frames)
 
 
@@ -869,12 +886,18 @@ def compile_check(
                 except CheckFailure:
                     raise
                 except Exception as error:  # the model ran eagerly: torch.compile failed
-                    failure = _compiled_failure(
-                        error, progress.phase, backend_name, number, above, decisions
-                    )
-                    if isinstance(failure, CompiledRunFailed) and failure.phase == "backward":
-                        failure = _with_forward_line(failure, subject, cotangents, compiled_target)
-                    raise failure from None
+                    raise _compiled_failure(
+                        error,
+                        progress.phase,
+                        backend_name,
+                        number,
+                        above,
+                        decisions,
+                        strict_breaks=max_graph_breaks == 0,
+                        forward_line=functools.partial(
+                            _forward_line, subject, cotangents, compiled_target
+                        ),
+                    ) from None
             finally:
                 subject.reset()
             _compare(eager, compiled, rtol, atol, number)
@@ -918,7 +941,7 @@ _STANCE_WHERE = re.compile(
 
 def _caller_frames() -> tuple[tuple[str, int], ...]:
     """The frames that called the check (the test's line), outermost first."""
-    return tuple((f.filename, f.lineno or 0) for f in traceback.extract_stack())
+    return tuple(stack_frames(sys._getframe(1)))
 
 
 def _eager_run(subject: Subject, cotangents: Cotangents) -> Run:
@@ -951,11 +974,18 @@ def _compiled_failure(
     number: int,
     above: tuple[tuple[str, int], ...],
     decisions: Sequence[control_flow.Decision],
+    *,
+    strict_breaks: bool,
+    forward_line: Callable[[], CallPath],
 ) -> CompileCheckFailure:
-    """What a compiled run that raised (where the eager run did not) tells the user."""
+    """What a compiled run that raised (where the eager run did not) tells the user.
+
+    ``forward_line`` finds, for a failed backward, the forward line of the op whose
+    backward failed (a backward has no line of its own).
+    """
     from torch._dynamo.exc import TorchDynamoException
 
-    if isinstance(getattr(error, "gb_type", None), str):  # strict mode: the first graph break
+    if strict_breaks and isinstance(getattr(error, "gb_type", None), str):
         decided = {d.location: d.op for d in decisions}
         found = _graph_break(_BreakRecord("", error, above), decided)
         if found is not None:
@@ -973,49 +1003,45 @@ def _compiled_failure(
             (recompile,),
         )
     compiling = isinstance(error, TorchDynamoException)
-    what = (
-        error.inner_exception
-        if isinstance(getattr(error, "inner_exception", None), Exception)
-        else error
-    )
+    inner = getattr(error, "inner_exception", None)  # BackendCompilerFailed: the backend's
+    what = inner if isinstance(inner, Exception) else error
     text = str(what).strip()
-    first = f"{type(what).__name__}: {text.splitlines()[0] if text else ''}"
-    stack = _stack_frames(getattr(error, "real_stack", None)) or traceback_frames(error)
-    path = call_path([*above, *stack]) if phase is Phase.FORWARD or compiling else CallPath(None)
+    first = f"{type(what).__name__}: {text.splitlines()[0]}" if text else type(what).__name__
+    failed = FailedPhase.COMPILE if compiling else FailedPhase(phase.value)
+    if failed is FailedPhase.BACKWARD:
+        path = forward_line()
+    else:
+        stack = _stack_frames(getattr(error, "real_stack", None)) or traceback_frames(error)
+        path = call_path([*above, *stack])
     where = {
-        (True, Phase.FORWARD): f"while compiling the forward of input set {number}",
-        (True, Phase.BACKWARD): f"while compiling the backward of input set {number}",
-        (False, Phase.FORWARD): f"in the compiled forward of input set {number}",
-        (False, Phase.BACKWARD): f"in the compiled backward of input set {number}",
-    }[(compiling, phase)]
+        FailedPhase.COMPILE: f"while compiling the {phase.value} of input set {number}",
+        FailedPhase.FORWARD: f"in the compiled forward of input set {number}",
+        FailedPhase.BACKWARD: f"in the compiled backward of input set {number}",
+    }[failed]
+    lines = [
+        f"torch.compile (backend {backend}) failed {where}; eager PyTorch ran the same forward "
+        "and backward without error, so this is torch.compile's failure, not the model's:",
+        f"  {first}",
+    ]
+    if failed is FailedPhase.BACKWARD and path:
+        lines.append("  the backward of the op made at:")
+    lines += path.lines(indent="  ")
     return CompiledRunFailed(
-        _failed_message(backend, where, first, path),
+        "\n".join(lines),
         backend=backend,
-        phase="compile" if compiling else phase.value,
+        phase=failed,
         input_set=number,
         path=path,
         torch_error=error,
     )
 
 
-def _failed_message(backend: str, where: str, first: str, path: CallPath) -> str:
-    lines = [
-        f"torch.compile (backend {backend}) failed {where}; eager PyTorch ran the same forward "
-        "and backward without error, so this is torch.compile's failure, not the model's:",
-        f"  {first}",
-    ]
-    lines += path.lines(indent="  ")
-    return "\n".join(lines)
+def _forward_line(subject: Subject, cotangents: Cotangents, call: Any) -> CallPath:
+    """The forward line of the op whose compiled backward failed, with the way there.
 
-
-def _with_forward_line(
-    failure: CompiledRunFailed, subject: Subject, cotangents: Cotangents, call: Any
-) -> CompiledRunFailed:
-    """The failure with the forward line of the op whose backward failed.
-
-    A backward has no line of its own; autograd's anomaly mode records, for each op of
-    the forward, the stack that made it, and names that stack when its backward
-    fails. The compiled run is repeated once in that mode, only to read it.
+    Autograd's anomaly mode records, for each op of the forward, the stack that made
+    it, and names that stack when the op's backward fails; the compiled run is
+    repeated once in that mode, only to read it.
     """
     with (
         warnings.catch_warnings(record=True) as caught,
@@ -1024,28 +1050,15 @@ def _with_forward_line(
         warnings.simplefilter("always")
         try:
             run_once(subject, cotangents, call=call)
-        except Exception:  # the failure already reported; this run only names its line
+        except Exception:  # the failure is reported already; this run only names its line
             pass
         finally:
             subject.reset()
     for warning in caught:
         text = str(warning.message)
         if "Traceback of forward call that caused the error" in text:
-            path = call_path(frames_in_text(text))
-            if path:
-                first = str(failure).splitlines()[1].strip()
-                where = f"in the compiled backward of input set {failure.input_set}"
-                lines = _failed_message(failure.backend, where, first, path).splitlines()
-                lines.insert(2, "  the backward of the op made at:")
-                return CompiledRunFailed(
-                    "\n".join(lines),
-                    backend=failure.backend,
-                    phase=failure.phase,
-                    input_set=failure.input_set,
-                    path=path,
-                    torch_error=failure.torch_error,
-                )
-    return failure
+            return call_path(frames_in_text(text))
+    return CallPath(None)
 
 
 def _stance_recompile(message: str, decisions: Sequence[control_flow.Decision]) -> Recompile:

@@ -19,7 +19,6 @@ import contextlib
 import io
 import re
 import sys
-import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -31,7 +30,7 @@ from . import control_flow, torch_logs
 from .calls import forward_kwargs_of, input_sets, reject_unknown_keywords
 from .comparison import close_mismatch
 from .failures import CheckFailure
-from .frames import CallPath, Origin, call_path, origin, traceback_frames
+from .frames import CallPath, Origin, call_path, origin, stack_frames, traceback_frames
 from .naming import describe_callable
 from .rewrites import rewrite
 from .subject import Subject
@@ -230,7 +229,7 @@ def export_check(
     module = model_or_fn if isinstance(model_or_fn, nn.Module) else _FunctionModule(model_or_fn)
     name = describe_callable(model_or_fn)
     subject = Subject(module, sets[0], kwargs, failure=ExportCheckFailure)
-    above = [(f.filename, f.lineno or 0) for f in traceback.extract_stack()]  # the test's line
+    above = stack_frames(sys._getframe())  # the test's line, above the check
     torch_output = io.StringIO()
     with torch_logs.quiet():
         try:

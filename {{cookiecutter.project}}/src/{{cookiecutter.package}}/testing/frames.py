@@ -23,11 +23,19 @@ import sysconfig
 import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass
-from types import TracebackType
+from types import FrameType, TracebackType
 
 from .control_flow import TORCH_DIR, Location
 
-__all__ = ["CallPath", "Origin", "call_path", "frames_in_text", "origin", "traceback_frames"]
+__all__ = [
+    "CallPath",
+    "Origin",
+    "call_path",
+    "frames_in_text",
+    "origin",
+    "stack_frames",
+    "traceback_frames",
+]
 
 _PLUGIN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _LIBRARY_DIRS = tuple(
@@ -129,6 +137,15 @@ def call_path(frames: Iterable[tuple[str, int]]) -> CallPath:
         return CallPath(None, tuple(location for _, location in kept))
     last = users[-1]
     return CallPath(kept[last][1], tuple(location for _, location in kept[last + 1 :]))
+
+
+def stack_frames(frame: FrameType | None) -> list[tuple[str, int]]:
+    """``(filename, line)`` of ``frame`` and its callers, outermost first (no source read)."""
+    frames = []
+    while frame is not None:
+        frames.append((frame.f_code.co_filename, frame.f_lineno or 0))
+        frame = frame.f_back
+    return frames[::-1]
 
 
 def traceback_frames(error: BaseException | TracebackType | None) -> list[tuple[str, int]]:
