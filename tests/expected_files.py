@@ -59,6 +59,7 @@ BASE_FILES = frozenset(
         "src/{package}/testing/naming.py",
         "src/{package}/testing/plugin.py",
         "src/{package}/testing/rewrites.py",
+        "src/{package}/testing/sources.py",
         "src/{package}/testing/runs.py",
         "src/{package}/testing/subject.py",
         "src/{package}/testing/torch_logs.py",

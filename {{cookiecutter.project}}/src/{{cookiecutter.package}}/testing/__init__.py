@@ -27,6 +27,7 @@ SHARED_FLOOR = frozenset(
         "global_state",  # torch's process-wide settings and RNGs: snapshot, compare, restore
         "naming",  # names of callables, inputs and tensor elements in reports
         "rewrites",  # the rewrite that takes a data-dependent decision out of Python
+        "sources",  # a source file parsed once: nodes, parents, expressions by span
         "runs",  # one forward and backward, its cotangents and typed results
         "subject",  # the model or function under test and the state each run starts from
         "torch_logs",  # torch's own log records kept out of a check's report

@@ -430,24 +430,28 @@ def _graph_breaks(
     decided: dict[control_flow.Location, str] = {}
     for decision in decisions:
         decided.setdefault(decision.location, decision.op)
-    found: dict[tuple[str, control_flow.Location], GraphBreak] = {}
+    found: dict[tuple[str, control_flow.Location], tuple[GraphBreak, BaseException | None]] = {}
     for record in records:
-        graph_break = _graph_break(record, decided)
-        if graph_break is None:
+        read = _graph_break(record, decided)
+        if read is None:
             continue
+        graph_break, cause = read
         key = (graph_break.kind, graph_break.location)
-        earlier = found.get(key)
-        if earlier is not None:
+        if key in found:
             order = list(EagerFallback)
+            earlier = found[key][0]
             fallback = max(earlier.fallback, graph_break.fallback, key=order.index)
             graph_break = dataclasses.replace(earlier, fallback=fallback)
-        found[key] = graph_break
-    return list(found.values())
+            cause = found[key][1] or cause
+        found[key] = (graph_break, cause)
+    return [_with_rewrite(graph_break, cause) for graph_break, cause in found.values()]
 
 
 def _graph_break(
     record: _BreakRecord, decided: dict[control_flow.Location, str]
-) -> GraphBreak | None:
+) -> tuple[GraphBreak, BaseException | None] | None:
+    """The break a record reports (without its rewrite, made once per break by
+    :func:`_with_rewrite`), and the exception behind it."""
     head, _, rest = record.message.partition("\n")
     header = _BREAK_HEADER.match(head)
     error = record.error if isinstance(getattr(record.error, "gb_type", None), str) else None
@@ -483,10 +487,7 @@ def _graph_break(
     explanation = explanation or _plain(entry.get("Explanation", ""))
     hints = hints or [hint for hint in entry.get("Hints", []) if "{" not in hint]
     hint = next((h for h in hints if not any(g in h.lower() for g in _GENERIC_HINTS)), None)
-    ours = _our_rewrite(kind, location, cause, decided.get(location))
-    if ours and kind == _BACKEND_EXCEPTION:
-        hint = None  # torch's "report an issue to the backend" does not apply: ours does
-    return GraphBreak(
+    graph_break = GraphBreak(
         kind=kind,
         gb_id=gb_id,
         explanation=_one_line(kind, explanation),
@@ -496,8 +497,19 @@ def _graph_break(
         decision=decided.get(location),
         fallback=fallback,
         hint=hint,
-        rewrite=ours,
+        rewrite=None,
     )
+    return graph_break, cause
+
+
+def _with_rewrite(graph_break: GraphBreak, cause: BaseException | None) -> GraphBreak:
+    """The break with our rewrite, where we have one (it then replaces a hint of torch's
+    that does not apply, as "report an issue to the backend" for a data-dependent op)."""
+    ours = _our_rewrite(graph_break.kind, graph_break.location, cause, graph_break.decision)
+    if ours is None:
+        return graph_break
+    hint = None if graph_break.kind == _BACKEND_EXCEPTION else graph_break.hint
+    return dataclasses.replace(graph_break, rewrite=ours, hint=hint)
 
 
 def _parts(text: str) -> tuple[str, str, list[str]]:
@@ -987,8 +999,9 @@ def _compiled_failure(
 
     if strict_breaks and isinstance(getattr(error, "gb_type", None), str):
         decided = {d.location: d.op for d in decisions}
-        found = _graph_break(_BreakRecord("", error, above), decided)
-        if found is not None:
+        read = _graph_break(_BreakRecord("", error, above), decided)
+        if read is not None:
+            found = _with_rewrite(*read)
             return TooManyGraphBreaks(
                 f"a graph break, and max_graph_breaks=0 allows none (torch.compile stopped at "
                 f"it: torch._dynamo.error_on_graph_break):\n{_indented(found)}",

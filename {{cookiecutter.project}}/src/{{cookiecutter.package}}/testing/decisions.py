@@ -43,6 +43,7 @@ from types import CodeType, FrameType
 from typing import Any
 
 from .control_flow import MODE_HANDLERS, TORCH_DIR, DecisionMode, current_probe
+from .sources import ParsedSource, parsed
 
 __all__ = ["Coverage", "DecisionKind", "Site", "recording"]
 
@@ -329,8 +330,23 @@ class _Recorder(DecisionMode):
 # (``torch.equal(a, b)``, ``bool(t)``); any other instruction asks for the truth of the
 # value the instruction before it produced (a jump, ``TO_BOOL``, ``UNARY_NOT``).
 _CALLS = ("CALL", "PRECALL")
-# Files whose parsed source is kept (the project's few files that make decisions).
-_SOURCES_KEPT = 64
+
+
+def _leading_negations(source: ParsedSource, line: int) -> int:
+    """The ``not``s in front of the condition of the ``if``/``while``/``assert`` on ``line``."""
+    test = next(
+        (
+            node.test
+            for node in ast.walk(source.tree)
+            if isinstance(node, ast.If | ast.While | ast.IfExp | ast.Assert)
+            and node.test.lineno == line
+        ),
+        None,
+    )
+    count = 0
+    while isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        count, test = count + 1, test.operand
+    return count
 
 
 def _negated(frame: FrameType) -> bool:
@@ -361,7 +377,7 @@ def _negations(code: CodeType, offset: int, line: int) -> int:
     ``not`` parents in the parsed source are counted. Python 3.10 gives lines only:
     then the leading ``not`` of the condition on that line count.
     """
-    source = _parsed(code.co_filename)
+    source = parsed(code.co_filename)
     if source is None:
         return 0
     offsets, instructions = _instructions(code)
@@ -374,7 +390,7 @@ def _negations(code: CodeType, offset: int, line: int) -> int:
     )
     positions = getattr(producer, "positions", None)
     if positions is None or positions.col_offset is None:
-        return source.leading_negations(line)
+        return _leading_negations(source, line)
     node = source.spans.get(
         (positions.lineno, positions.col_offset, positions.end_lineno, positions.end_col_offset)
     )
@@ -387,38 +403,6 @@ def _negations(code: CodeType, offset: int, line: int) -> int:
             break
         node = parent
     return count
-
-
-class _ParsedSource:
-    """A source file's expressions by their exact span, and each node's parent."""
-
-    def __init__(self, tree: ast.AST) -> None:
-        self.spans: dict[tuple[int, int, int | None, int | None], ast.AST] = {}
-        self.parents: dict[ast.AST, ast.AST] = {}
-        self.tests: dict[int, ast.expr] = {}
-        for node in ast.walk(tree):
-            for child in ast.iter_child_nodes(node):
-                self.parents[child] = node
-            if isinstance(node, ast.expr):
-                span = (node.lineno, node.col_offset, node.end_lineno, node.end_col_offset)
-                self.spans.setdefault(span, node)  # the outermost of equal spans
-            test = getattr(node, "test", None)
-            if isinstance(node, ast.If | ast.While | ast.IfExp | ast.Assert) and test:
-                self.tests.setdefault(test.lineno, test)
-
-    def leading_negations(self, line: int) -> int:
-        count, test = 0, self.tests.get(line)
-        while isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
-            count, test = count + 1, test.operand
-        return count
-
-
-@functools.lru_cache(maxsize=_SOURCES_KEPT)
-def _parsed(filename: str) -> _ParsedSource | None:
-    try:
-        return _ParsedSource(ast.parse("".join(linecache.getlines(filename))))
-    except (SyntaxError, ValueError):
-        return None
 
 
 @contextlib.contextmanager

@@ -12,38 +12,22 @@ read off a tensor gets :func:`scalar_advice`.
 from __future__ import annotations
 
 import ast
-import linecache
 from collections.abc import Sequence
 
 from .control_flow import Decision, Location
+from .sources import ParsedSource, parsed
 
 __all__ = ["rewrite", "scalar_advice"]
 
 
-class _Source:
-    """The parsed file around the failing line: its nodes and their parents."""
-
-    def __init__(self, filename: str) -> None:
-        self.tree = ast.parse("".join(linecache.getlines(filename)))
-        self.parents: dict[ast.AST, ast.AST] = {}
-        for node in ast.walk(self.tree):
-            for child in ast.iter_child_nodes(node):
-                self.parents[child] = node
-
-    def ancestors(self, node: ast.AST) -> list[ast.AST]:
-        found = []
-        while node in self.parents:
-            node = self.parents[node]
-            found.append(node)
-        return found
-
-    def innermost(self, line: int, kinds: tuple[type, ...]) -> ast.AST | None:
-        nodes = [
-            node
-            for node in ast.walk(self.tree)
-            if isinstance(node, kinds) and _test_lines(node)[0] <= line <= _test_lines(node)[1]
-        ]
-        return max(nodes, key=lambda node: len(self.ancestors(node)), default=None)
+def _innermost(source: ParsedSource, line: int, kinds: tuple[type, ...]) -> ast.AST | None:
+    """The innermost node of ``kinds`` whose condition (or loop header) spans ``line``."""
+    nodes = [
+        node
+        for node in ast.walk(source.tree)
+        if isinstance(node, kinds) and _test_lines(node)[0] <= line <= _test_lines(node)[1]
+    ]
+    return max(nodes, key=lambda node: len(source.ancestors(node)), default=None)
 
 
 def _test_lines(node: ast.AST) -> tuple[int, int]:
@@ -54,11 +38,10 @@ def _test_lines(node: ast.AST) -> tuple[int, int]:
 
 def rewrite(where: Location, decision: Decision | None) -> str | None:
     """The rewrite for the decision at ``where``; ``decision`` is what the eager run decided."""
-    try:
-        source = _Source(where.filename)
-    except (SyntaxError, ValueError):
+    source = parsed(where.filename)
+    if source is None:
         return None
-    node = source.innermost(where.line, (ast.If, ast.IfExp, ast.While, ast.For, ast.Assert))
+    node = _innermost(source, where.line, (ast.If, ast.IfExp, ast.While, ast.For, ast.Assert))
     if node is None:
         return scalar_advice(decision)
     if isinstance(node, ast.Assert):
@@ -142,7 +125,7 @@ def _branch(statements: list[ast.stmt]) -> tuple[str, ast.expr] | None:
     return None
 
 
-def _false_branch(node: ast.If, source: _Source) -> list[ast.stmt]:
+def _false_branch(node: ast.If, source: ParsedSource) -> list[ast.stmt]:
     if node.orelse:
         return node.orelse
     if node.body and isinstance(node.body[-1], ast.Return):
@@ -154,7 +137,7 @@ def _false_branch(node: ast.If, source: _Source) -> list[ast.stmt]:
     return []
 
 
-def _cond_rewrite(node: ast.If, source: _Source, function: ast.AST | None) -> str:
+def _cond_rewrite(node: ast.If, source: ParsedSource, function: ast.AST | None) -> str:
     condition = ast.unparse(node.test)
     true_branch, false_branch = _branch(node.body), _branch(_false_branch(node, source))
     general = (
@@ -183,7 +166,7 @@ def _cond_rewrite(node: ast.If, source: _Source, function: ast.AST | None) -> st
     )
 
 
-def _where_rewrite(node: ast.IfExp, source: _Source) -> str:
+def _where_rewrite(node: ast.IfExp, source: ParsedSource) -> str:
     condition, when_true, when_false = (ast.unparse(p) for p in (node.test, node.body, node.orelse))
     comprehension = next(
         (a for a in source.ancestors(node) if isinstance(a, ast.ListComp | ast.GeneratorExp)), None

@@ -47,12 +47,10 @@ def quiet() -> Iterator[None]:
     # Handlers of other parties on the trace logger (pytest's log capture) would make
     # torch build every trace event (it builds them when the logger has handlers).
     borrowed = [h for h in trace.handlers if not isinstance(h, LazyTraceHandler)]
-    filtered: set[logging.Handler] = set()
-    for name in ["", "torch", *list(logging.Logger.manager.loggerDict)]:
-        if name == "" or name == "torch" or name.startswith("torch."):
-            logger = logging.getLogger(name)
-            if isinstance(logger, logging.Logger):
-                filtered.update(logger.handlers)
+    filtered = set(logging.getLogger().handlers)
+    for name, logger in list(logging.Logger.manager.loggerDict.items()):
+        if (name == "torch" or name.startswith("torch.")) and isinstance(logger, logging.Logger):
+            filtered.update(logger.handlers)
     for handler in borrowed:
         trace.removeHandler(handler)
     for handler in filtered:
