@@ -1,5 +1,5 @@
-"""The project's commands, run as a user runs them: ``python -m {{ cookiecutter.package }}.doctor``
-and ``python -m {{ cookiecutter.package }}.train`` in a fresh process.
+"""The project's commands, run as a user runs them: ``python -m {{ cookiecutter.package }}.doctor``,
+``python -m {{ cookiecutter.package }}.train`` and ``python -m {{ cookiecutter.package }}.launch`` in a fresh process.
 
 The GPU tests run with ``pytest --gpu``; each subprocess inherits this test process's
 ``CUDA_VISIBLE_DEVICES``, so under ``-n auto`` it uses this worker's GPU.
@@ -7,10 +7,14 @@ The GPU tests run with ``pytest --gpu``; each subprocess inherits this test proc
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from {{ cookiecutter.package }} import train
 
 SMALL = ("--samples", "512", "--batch-size", "32")
 # The dev container's services are not what these tests are about.
@@ -59,11 +63,56 @@ def test_train_resumes_bit_for_bit_on_the_cpu(tmp_path):
     assert_resume_is_bitwise_equal("cpu", tmp_path)
 
 
+def test_train_stops_on_sigterm_and_resumes_bit_for_bit(tmp_path):
+    """What a preempted job sees (``docker stop``, SLURM): SIGTERM after step 20 of 32,
+    a checkpoint of step 20, exit status 143 (128 + 15); ``--resume`` then ends with the
+    weights of an uninterrupted run. In this process, so the signal lands at that step."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    args = ["--device", "cpu", *SMALL, "--epochs", "2"]
+    assert train.main([*args, "--run-dir", str(whole)]) == 0
+    steps = []
+
+    def sigterm_after_step_20(optimizer, args, kwargs):
+        steps.append(optimizer)
+        if len(steps) == 20:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    hook = register_optimizer_step_post_hook(sigterm_after_step_20)
+    try:
+        assert train.main([*args, "--run-dir", str(split)]) == 128 + signal.SIGTERM
+    finally:
+        hook.remove()
+    assert torch.load(split / "latest.pt", weights_only=True)["global_step"] == 20
+    assert train.main([*args, "--run-dir", str(split), "--resume"]) == 0
+    expected, actual = (
+        torch.load(directory / "latest.pt", weights_only=True)["model"]
+        for directory in (whole, split)
+    )
+    for name, tensor in expected.items():
+        assert torch.equal(actual[name], tensor), f"{name} differs after the stop and --resume"
+
+
 def test_train_rejects_a_bad_flag():
     result = run("train", "--epochs", "0")
     assert result.returncode == 2
     assert result.stderr.splitlines()[-1].endswith(
         "error: argument --epochs: must be a positive integer, got '0'"
+    )
+
+
+def test_launch_writes_a_slurm_batch_script(tmp_path):
+    """``launch slurm --dry-run`` prints the job script (a cluster is not needed for it)."""
+    result = run("launch", "slurm", "--dry-run", "--nodes", "2", "--gpus-per-node", "0",
+                 "--", "--epochs", "2")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "#SBATCH --requeue" in result.stdout
+    script = tmp_path / "job.sbatch"
+    script.write_text(result.stdout)
+    assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
+    wrong = run("launch", "slurm", "--dry-run", "--", "--epochs", "0")
+    assert wrong.returncode == 2
+    assert wrong.stderr.splitlines()[-1].endswith(
+        "error: train arguments (after --): argument --epochs: must be a positive integer, got '0'"
     )
 
 

@@ -4,11 +4,11 @@
 <package>.testing.plugin`` in ``addopts``): hooks and fixtures, thin, importing each
 check only when its fixture is used. The checks, each behind the fixture of its
 name and each a plain function too, are peers: ``gradcheck``, ``determinism``
-(``autograd_determinism``), ``compile_check``, ``export_check`` and ``decisions``
-(``pytest --decisions``). They import the modules of :data:`SHARED_FLOOR` and never
-each other (``tests/test_architecture.py`` checks it). ARCHITECTURE.md at the
-project's root says which module does what. Importing this package does not import
-torch.
+(``autograd_determinism``), ``compile_check``, ``export_check``, ``training_check``,
+``ddp_check`` and ``decisions`` (``pytest --decisions``). They import the modules of
+:data:`SHARED_FLOOR` and never each other (``tests/test_architecture.py`` checks it).
+ARCHITECTURE.md at the project's root says which module does what. Importing this
+package does not import torch.
 """
 
 __all__ = ["SHARED_FLOOR"]
@@ -26,6 +26,7 @@ SHARED_FLOOR = frozenset(
         "frames",  # whose code a frame runs; the user's line and the library lines under it
         "global_state",  # torch's process-wide settings and RNGs: snapshot, compare, restore
         "naming",  # names of callables, inputs and tensor elements in reports
+        "parameter_use",  # parameters a forward reaches, and the decisions that decide it
         "rewrites",  # the rewrite that takes a data-dependent decision out of Python
         "sources",  # a source file parsed once: nodes, parents, expressions by span
         "runs",  # one forward and backward, its cotangents and typed results
