@@ -227,13 +227,11 @@ class _WithoutTorchFunctionModes(contextlib.AbstractContextManager):
 class Probe:
     """One evaluation a check makes at a point of its own choosing, not the test's.
 
-    ``check`` names the check (``gradcheck``). A decision mode that counts what the
-    tests did hands each decision made during the probe to :meth:`defer`; the
-    actions run when the probe completes, and are dropped when it raises, so a
-    probe point where the model failed never counts.
+    A decision mode that counts what the tests did hands each decision made during
+    the probe to :meth:`defer`; the actions run when the probe completes, and are
+    dropped when it raises, so a probe point where the model failed never counts.
     """
 
-    check: str
     _pending: list[Callable[[], None]] = field(default_factory=list)
 
     def defer(self, action: Callable[[], None]) -> None:
@@ -250,10 +248,10 @@ def current_probe() -> Probe | None:
 
 
 @contextlib.contextmanager
-def probing(check: str) -> Iterator[Probe]:
-    """Mark the evaluations inside the block as ``check``'s own probes (see :class:`Probe`)."""
+def probing() -> Iterator[Probe]:
+    """Mark the evaluations inside the block as a check's own probes (see :class:`Probe`)."""
     outer = _PROBE.get()
-    probe = Probe(check)
+    probe = Probe()
     token = _PROBE.set(probe)
     try:
         yield probe

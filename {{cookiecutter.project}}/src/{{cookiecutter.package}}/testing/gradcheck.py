@@ -618,7 +618,7 @@ class _Problem:
         """:meth:`_evaluate`; each evaluation after the first (at the test's point) is one of
         gradcheck's own probes, which ``pytest --decisions`` counts apart."""
         at_point, self._at_point = self._at_point, False
-        with contextlib.nullcontext() if at_point else probing("gradcheck"):
+        with contextlib.nullcontext() if at_point else probing():
             return self._evaluate(values)
 
     def _evaluate(self, values: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
