@@ -48,7 +48,7 @@ import torch
 from . import control_flow, torch_logs
 from .calls import forward_kwargs_of, input_sets, reject_unknown_keywords
 from .comparison import DEFAULT_TOLERANCES, close_mismatch, differing, tolerances_for
-from .failures import CheckFailure
+from .failures import CheckFailure, quoted
 from .frames import (
     CallPath,
     Origin,
@@ -1017,9 +1017,7 @@ def _compiled_failure(
         )
     compiling = isinstance(error, TorchDynamoException)
     inner = getattr(error, "inner_exception", None)  # BackendCompilerFailed: the backend's
-    what = inner if isinstance(inner, Exception) else error
-    text = str(what).strip()
-    first = f"{type(what).__name__}: {text.splitlines()[0]}" if text else type(what).__name__
+    first = quoted(inner if isinstance(inner, Exception) else error)
     failed = FailedPhase.COMPILE if compiling else FailedPhase(phase.value)
     if failed is FailedPhase.BACKWARD:
         path = forward_line()

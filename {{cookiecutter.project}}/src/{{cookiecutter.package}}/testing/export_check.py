@@ -29,7 +29,7 @@ from torch import nn
 from . import control_flow, torch_logs
 from .calls import forward_kwargs_of, input_sets, reject_unknown_keywords
 from .comparison import close_mismatch
-from .failures import CheckFailure
+from .failures import CheckFailure, quoted
 from .frames import CallPath, Origin, call_path, origin, stack_frames, traceback_frames
 from .naming import describe_callable
 from .rewrites import rewrite
@@ -517,11 +517,9 @@ def _draft(subject: Subject, dynamic_shapes: Any) -> DraftReport:
                 dynamic_shapes=dynamic_shapes,
             )
     except Exception as error:  # draft_export is a hint here: say why it stopped
-        text = str(error).strip()
-        what = f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
         where = call_path(traceback_frames(error)).innermost
         at = f" at {where}: `{where.source}`" if where else " inside torch"
-        return DraftReport(error=f"{what}{at}")
+        return DraftReport(error=f"{quoted(error)}{at}")
     finally:
         subject.reset()
     report = program._report  # draft_export's report has no public accessor
