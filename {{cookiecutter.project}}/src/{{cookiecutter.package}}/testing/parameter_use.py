@@ -404,7 +404,8 @@ class FindUnusedAdvice:
 
     def __str__(self) -> str:
         if self.reasons:
-            return "find_unused_parameters=True needed: " + "; ".join(self.reasons)
+            also = f"; beyond the probe: {'; '.join(self.unprobed)}" if self.unprobed else ""
+            return "find_unused_parameters=True needed: " + "; ".join(self.reasons) + also
         if self.unprobed:
             return (
                 "find_unused_parameters=True kept: every parameter is used whichever way "
