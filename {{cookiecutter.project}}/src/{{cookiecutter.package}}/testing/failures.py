@@ -8,7 +8,7 @@ runs it, never another check's.
 
 from __future__ import annotations
 
-__all__ = ["CheckFailure"]
+__all__ = ["CheckFailure", "quoted"]
 
 
 class CheckFailure(AssertionError):
@@ -18,3 +18,9 @@ class CheckFailure(AssertionError):
     """
 
     check: str = "check"  # the check's name as users call it, e.g. "compile_check"
+
+
+def quoted(error: BaseException) -> str:
+    """``Type: first line of the message``: how a failure quotes the error torch raised."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__

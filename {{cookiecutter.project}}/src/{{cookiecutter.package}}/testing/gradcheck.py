@@ -59,6 +59,7 @@ from .control_flow import (
     DecisionLog,
     display_path,
     first_divergence,
+    probing,
     record_decisions,
 )
 from .failures import CheckFailure
@@ -466,6 +467,7 @@ class _Problem:
         # does) shows whether the forward needs it; True after a check failed without it.
         self.widen: bool | None = None
         self._evaluated = False
+        self._at_point = True  # the next evaluation is at the test's own point (see evaluate)
         integer_inputs: list[str] = []
 
         paths_and_leaves, self._spec = pytree.tree_flatten_with_path((inputs, kwargs))
@@ -613,6 +615,13 @@ class _Problem:
         return "\n".join(lines)
 
     def evaluate(self, values: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """:meth:`_evaluate`; each evaluation after the first (at the test's point) is one of
+        gradcheck's own probes, which ``pytest --decisions`` counts apart."""
+        at_point, self._at_point = self._at_point, False
+        with contextlib.nullcontext() if at_point else probing():
+            return self._evaluate(values)
+
+    def _evaluate(self, values: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The floating-point outputs for these checked values; same RNG state every time."""
         leaves = self._leaves.copy()
         for position, slot in self._input_slots:
