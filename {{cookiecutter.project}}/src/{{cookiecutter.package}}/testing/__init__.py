@@ -25,6 +25,7 @@ SHARED_FLOOR = frozenset(
         "float64",  # a forward kept in float64 end to end
         "global_state",  # torch's process-wide settings and RNGs: snapshot, compare, restore
         "naming",  # names of callables, inputs and tensor elements in reports
+        "parts",  # the autograd Functions and submodule calls of one forward, with their inputs
         "runs",  # one forward and backward, its cotangents and typed results
         "subject",  # the model or function under test and the state each run starts from
         "trees",  # nested inputs and outputs through torch.utils._pytree
