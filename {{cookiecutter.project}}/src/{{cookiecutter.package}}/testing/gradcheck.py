@@ -38,7 +38,6 @@ import math
 import re
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -69,7 +68,7 @@ from .control_flow import (
     record_decisions,
     user_location,
 )
-from .failures import CheckFailure
+from .failures import CheckFailure, raised
 from .float64 import CannotStayFloat64, Float64Mode, Narrowing, Widening, writes
 from .naming import describe_callable, element_name, input_names
 from .parts import FunctionCall, ModuleCall, Parts, record_parts
@@ -1242,15 +1241,7 @@ class _ProbeRefused(Exception):
 
     @property
     def what(self) -> str:
-        """``AssertionError: underflow in dt (raised at solvers.py:40)``."""
-        text = str(self.error).strip().splitlines()
-        frames = traceback.extract_tb(self.error.__traceback__)
-        where = (
-            f" (raised at {display_path(frames[-1].filename)}:{frames[-1].lineno})"
-            if frames
-            else ""
-        )
-        return f"{type(self.error).__name__}: {text[0] if text else ''}{where}"
+        return raised(self.error)
 
 
 class _Probes:
