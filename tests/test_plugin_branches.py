@@ -65,7 +65,7 @@ from models import BuggyOnTheNegativeSide, Gated, masked
 def positive_point(model):
     torch.manual_seed(0)
     with torch.no_grad():
-        model.linear.bias.fill_(3.0)
+        model.linear.bias.fill_(0.5)
     return model, torch.randn(2, 4, requires_grad=True)
 
 
@@ -87,7 +87,7 @@ def test_both_sides_of_a_correct_model(gradcheck):
     result = gradcheck(model, x, branches="all")
     (side,) = result.branches
     assert side.found and side.at_point is True
-    assert 0 < side.moved < 10
+    assert 0 < side.moved <= 1  # MAX_DISTANCE
     assert side.forward_passes <= 16
     assert torch.equal(x, x.detach().clone())  # the inputs are left as they were
 

@@ -21,7 +21,7 @@ when a check fails, this module finds the element that is wrong and says why:
 Cost. Slow mode compares every element: two forward passes per checked element, and
 one backward pass per output element. Fast mode (first order) takes one backward
 pass for the gradient of a random weighting of the outputs, and two forward passes
-per checked tensor for its derivative along a direction of random signs, whatever
+per checked tensor for its derivative along a random direction, whatever
 the tensor's size; a tensor whose derivatives disagree, or differ by more than a
 single wrong element of 1% of its largest gradient element would make them, is
 searched by bisection (above ``ELEMENTWISE_LIMIT`` elements) and rechecked element
@@ -81,8 +81,9 @@ FAST_MODE_ABOVE = 2048
 # first narrowed down by bisection over random directions.
 ELEMENTWISE_LIMIT = 1024
 # Fast mode flags a tensor for an element-wise search when its directional derivatives
-# disagree by this fraction of its largest gradient element (over √n, see _Check._screen):
-# a single element wrong by 1% of that is found with a margin of 4x.
+# disagree by this fraction of its largest gradient element (times the direction's
+# smallest weight, see _Check._screen): a single element wrong by 1% of that is found
+# with a margin of 4x.
 SCREENING_FRACTION = 0.0025
 # The diagnosis compares each output element separately up to this many output
 # elements (one backward pass each); above, one random weighting of the outputs.
@@ -479,7 +480,7 @@ def _localized(problem: _Problem, check: _Check, failure: WrongGradient) -> Wron
     diagnosis = problem.evaluations + search.evaluations - check._run_started - check.spent
     narrowed = (
         f"  narrowed down in {time.perf_counter() - started:.2f} s by checking "
-        f"{search.summary()} on its own (fast mode); the diagnosis made {diagnosis:,} "
+        f"{search.summary()} on its own; the diagnosis made {diagnosis:,} "
         f"evaluations, {diagnosis / max(check.spent, 1):.1f}x the {check.spent:,} of the check"
     )
     if source is None:
@@ -517,6 +518,7 @@ class _Localization:
         self.checked_parts = 0
 
     def summary(self) -> str:
+        """What was checked on its own: ``1 autograd Function call and 3 module calls``."""
         parts = ["the model without its gradient hooks"] if self.hooks else []
         for count, what in (
             (self.functions, "autograd Function call"),
@@ -543,23 +545,31 @@ class _Localization:
         return found or (None, None)
 
     def _part(self, function, args: tuple, kwargs: dict, params, hooks: bool = True):
-        """The failure of ``function`` checked on its own in fast mode; ``None`` when it passes
-        or cannot be checked on its own (an exception, a boundary: inconclusive)."""
+        """The failure of ``function`` checked on its own; ``None`` when it passes or cannot
+        be checked on its own (an exception, a boundary: inconclusive).
+
+        Fast mode first; where it passes, slow mode too if it fits in the budget: one
+        random direction misses an error orthogonal to it (two swapped elements of equal
+        sign in it), every element does not.
+        """
         self.checked_parts += 1
         part = None
         try:
             part = _Problem(function, args, kwargs, params)
             part.hooks_enabled = hooks
-            check = _Check(
-                part,
-                fast=True,
-                reason="a part checked on its own",
-                eps=self.check.eps,
-                atol=self.check.atol,
-                rtol=self.check.rtol,
-            )
             with part.installed():
-                check.run(1)
+                for fast in (True, False):
+                    slow_cost = 2 * sum(c.numel for c in part.checked) + 2
+                    if not fast and slow_cost > self.budget - self.evaluations - part.evaluations:
+                        break
+                    tolerances = {"eps": self.check.eps, "atol": self.check.atol}
+                    _Check(
+                        part,
+                        fast=fast,
+                        reason="a part checked on its own",
+                        rtol=self.check.rtol,
+                        **tolerances,
+                    ).run(1)
         except WrongGradient as failure:
             return failure
         except Exception:  # the part cannot be checked on its own: no verdict
@@ -686,12 +696,12 @@ def _applier(call: FunctionCall) -> Callable[..., Any]:
         return function.apply(*args, **kwargs)
 
     apply.__qualname__ = f"{function.__qualname__}.apply".replace(".<locals>", "")
-    apply.__signature__ = inspect.Signature(  # type: ignore[attr-defined]
-        [
-            inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-            for name in call.input_names()
-        ]
-    )
+    named = [
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        for name in call.input_names()
+    ]
+    rest = [inspect.Parameter("inputs", inspect.Parameter.VAR_POSITIONAL)]
+    apply.__signature__ = inspect.Signature(named + rest)  # type: ignore[attr-defined]
     return apply
 
 
@@ -1476,10 +1486,15 @@ def _weighted_sum(weights: Sequence[torch.Tensor | None], outputs: Sequence[torc
     return sum((w * o).sum() for w, o in zip(weights, outputs, strict=True) if w is not None)
 
 
-def _random_signs(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """A unit vector of random signs ``±1/√n`` shaped like ``like``."""
+def _random_direction(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A unit vector shaped like ``like``: random signs, random magnitudes in [1, 2).
+
+    No element is much smaller than another (a wrong element shows undiluted by the
+    others), and no two are equal (two swapped elements of the gradient do not cancel).
+    """
     signs = torch.randint(0, 2, like.shape, generator=generator, dtype=torch.float64) * 2 - 1
-    return (signs / math.sqrt(max(like.numel(), 1))).to(like.device)
+    weights = signs * (1 + torch.rand(like.shape, generator=generator, dtype=torch.float64))
+    return (weights / weights.norm().clamp_min(1e-300)).to(like.device)
 
 
 class _Check:
@@ -1630,18 +1645,18 @@ class _Check:
         return True
 
     def _screen(self, generator: torch.Generator) -> None:
-        """Fast mode, first order: one random sign direction per checked tensor.
+        """Fast mode, first order: one random direction per checked tensor.
 
         For ``s = w · outputs`` (random output weights ``w``) one backward pass gives
         ``∇s`` for every tensor; two forward passes per tensor give the derivative of
-        ``s`` along ``u``, a direction of random signs ``±1/√n``. Along such a direction a
-        single wrong element of error ``δ`` shifts the derivative by ``δ/√n``, whatever
-        the other elements, so besides torch's tolerance (``atol + rtol·|numerical|``)
-        a tensor is flagged when the two differ by more than ``SCREENING_FRACTION`` of
-        its largest gradient element, over ``√n``, plus the rounding error of the
-        differences. A flagged tensor is searched by bisection and its suspects
-        rechecked element by element with ``atol``/``rtol``: only an element that fails
-        there fails the check.
+        ``s`` along ``u``, a direction of random signs and magnitudes between 1 and 2
+        (normalized). Along such a direction a single wrong element of error ``δ`` shifts
+        the derivative by at least ``δ·min|u|``, whatever the other elements, so besides
+        torch's tolerance (``atol + rtol·|numerical|``) a tensor is flagged when the two
+        differ by more than ``SCREENING_FRACTION`` of its largest gradient element times
+        ``min|u|``, plus the rounding error of the differences. A flagged tensor is
+        searched by bisection and its suspects rechecked element by element with
+        ``atol``/``rtol``: only an element that fails there fails the check.
         """
         __tracebackhide__ = True
         problem = self.problem
@@ -1665,7 +1680,7 @@ class _Check:
         for index, (checked, gradient) in enumerate(zip(problem.checked, analytical, strict=True)):
             if not checked.numel:
                 continue  # an empty tensor has no derivative to check
-            direction = _random_signs(checked.value, generator)
+            direction = _random_direction(checked.value, generator)
             sides = []
             for sign in (1, -1):
                 values = [v.detach() for v in point]
@@ -1681,7 +1696,8 @@ class _Check:
                 # The rounding error of the central difference, a few units in the last place.
                 rounding = 2 * torch.finfo(torch.float64).eps * (abs(plus) + abs(minus)) / self.eps
                 largest = float(gradient.abs().max()) if gradient.numel() else 0.0
-                if difference > SCREENING_FRACTION * largest / math.sqrt(checked.numel) + rounding:
+                smallest = float(direction.abs().min())
+                if difference > SCREENING_FRACTION * largest * smallest + rounding:
                     flagged.append(index)
         if (failed or flagged) and self._widen_from_now_on():
             return self._screen(torch.Generator().manual_seed(EVALUATION_SEED))
@@ -2008,9 +2024,9 @@ class _Diagnosis:
             halves = candidates.chunk(2)
             scores = []
             for half in halves:
-                # Random signs: a wrong element shows undiluted by the others (see _screen).
+                # A wrong element shows undiluted by the others (see _random_direction).
                 direction = torch.zeros(checked.numel, dtype=torch.float64)
-                direction[half] = _random_signs(half, self.generator).cpu()
+                direction[half] = _random_direction(half, self.generator).cpu()
                 direction = direction.to(checked.value.device)
                 step = (self.eps * direction).reshape(checked.value.shape)
                 plus, _ = self._evaluate(index, step)

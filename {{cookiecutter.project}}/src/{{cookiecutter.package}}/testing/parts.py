@@ -79,19 +79,17 @@ class FunctionCall:
         return Location(code.co_filename, code.co_firstlineno)
 
     def input_names(self) -> list[str]:
-        """The names the forward gives its inputs (``ctx`` left out), one per argument."""
+        """The names the forward gives its positional inputs, ``ctx`` left out."""
         try:
             parameters = list(inspect.signature(self.function.forward).parameters.values())
         except (TypeError, ValueError):
             parameters = []
         # A Function with its own setup_context has a forward without ctx.
-        takes_ctx = self.function.setup_context is torch.autograd.Function.setup_context
-        if takes_ctx and parameters:
+        if self.function.setup_context is torch.autograd.Function.setup_context:
             parameters = parameters[1:]
-        names = [
+        return [
             p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
         ]
-        return [names[i] if i < len(names) else f"inputs[{i}]" for i in range(len(self.args))]
 
 
 @dataclass
