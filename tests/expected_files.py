@@ -56,6 +56,7 @@ BASE_FILES = frozenset(
         "src/{package}/testing/global_state.py",
         "src/{package}/testing/gradcheck.py",
         "src/{package}/testing/naming.py",
+        "src/{package}/testing/parts.py",
         "src/{package}/testing/plugin.py",
         "src/{package}/testing/runs.py",
         "src/{package}/testing/subject.py",

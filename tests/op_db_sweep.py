@@ -216,6 +216,18 @@ def ours(gradcheck: Callable[..., Any], case: Case, fast: bool | None = None) ->
     return Outcome(Verdict.PASS, None, time.perf_counter() - started)
 
 
+def ours_flat(gradcheck: Callable[..., Any], case: Case) -> Outcome:
+    """The fixture's verdict on exactly the function torch's check gets (see :func:`theirs`)."""
+    started = time.perf_counter()
+    try:
+        gradcheck(case.torch_function(), *case.differentiable())
+    except AssertionError as error:
+        return Outcome(Verdict.FAIL, error, time.perf_counter() - started)
+    except Exception as error:
+        return Outcome(Verdict.ERROR, error, time.perf_counter() - started)
+    return Outcome(Verdict.PASS, None, time.perf_counter() - started)
+
+
 def theirs(case: Case, fast: bool | None = None) -> Outcome:
     """``torch.autograd.gradcheck``'s verdict, in the mode the fixture picks by default."""
     inputs = case.differentiable()
@@ -316,3 +328,34 @@ def plantable(case: Case) -> bool:
         return False
     scale = float(grad.abs().max())
     return scale > 1e-2 and math.isfinite(scale) and bool((grad.max() - grad.min()) > 1e-2)
+
+
+def first_input_name(case: Case) -> str:
+    """How the fixture names the first tensor that requires grad (``input input[0]``)."""
+    for path, leaf in pytree.tree_flatten_with_path(((case.input, *case.args), case.kwargs))[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+            group, key, rest = path[0], path[1], path[2:]
+            if group.idx == 1:
+                head = str(key.key)
+            else:
+                head = "input" if key.idx == 0 else f"inputs[{key.idx}]"
+            return f"input {head}{pytree.keystr(rest)}"
+    raise ValueError(f"{case.name}: no input requires grad")
+
+
+def names_the_plant(case: Case, plant: Plant, outcome: Outcome) -> bool:
+    """Whether the fixture's failure names the planted Function, the first input and, for
+    one element off, the element."""
+    error = outcome.error
+    source = getattr(error, "source", None)
+    if source is None or source.name != Planted.__qualname__:
+        return False
+    if getattr(error, "tensor", None) != first_input_name(case):
+        return False
+    if plant is not Plant.ELEMENT:
+        return True
+    first = case.differentiable()[0]
+    expected = tuple(
+        int(i) for i in torch.unravel_index(torch.tensor(first.numel() // 2), first.shape)
+    )
+    return tuple(error.index) == expected

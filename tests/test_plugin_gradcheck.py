@@ -415,8 +415,8 @@ EXPECTED_FAILURES = {
         "E*on its own, at the inputs it got there: d * / d input w[100, 7]: numerical *",
         "E*it reaches parameter l2.weight[100, 7]:",
         "E*d output[*] / d parameter l2.weight[100, 7]: numerical *, analytical 0.5 *",
-        "E*narrowed down in * s by checking 1 autograd Function call on its own (fast mode); "
-        "the diagnosis made * evaluations, *x the * of the check",
+        "E*narrowed down in * s by checking parts on their own (1 autograd Function call); the "
+        "diagnosis made * evaluations, *x the * of the check",
         "E*checked Wide in float64 *, fast mode (85,258 elements > FAST_MODE_ABOVE=2,048*"
         "; the failing tensor was then rechecked element by element",
     ],

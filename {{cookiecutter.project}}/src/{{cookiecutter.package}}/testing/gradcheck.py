@@ -88,8 +88,9 @@ SCREENING_FRACTION = 0.0025
 # The diagnosis compares each output element separately up to this many output
 # elements (one backward pass each); above, one random weighting of the outputs.
 OUTPUT_ELEMENTS_LIMIT = 1024
-# Each evaluation of the function starts from this seed, so dropout drops the same
-# units in every evaluation.
+# The seed of the check's own random numbers (output weights, directions, moved points).
+# Each evaluation of the function starts from the generator states the check started
+# with, so dropout drops the same units in every evaluation.
 EVALUATION_SEED = 1234
 # avoid_boundaries=True: how far, and how many times, the point is moved.
 JITTER_SCALE = 1e-3
@@ -366,7 +367,7 @@ def gradcheck(
     __tracebackhide__ = True
     reject_unknown_keywords("gradcheck", unknown, _OPTIONS)
     kwargs = forward_kwargs_of("gradcheck", forward_kwargs)
-    if isinstance(params, Iterable) and not isinstance(params, (str, bytes)):
+    if not isinstance(params, (bool, str, bytes)) and isinstance(params, Iterable):
         params = list(params)
     _validate_options(model_or_function, params, gradgrad, fast, eps, atol, rtol, avoid_boundaries)
     if branches not in BRANCH_CHOICES:
@@ -385,7 +386,8 @@ def gradcheck(
         use_fast, reason = fast, f"fast={fast}"
     orders = (1, 2) if gradgrad else (1,)
     check = _Check(problem, fast=use_fast, reason=reason, eps=eps, atol=atol, rtol=rtol)
-    with _rngs_kept(problem.generators):
+    with _rngs_kept(problem.generators) as states:
+        problem.start_from(states)
         try:
             moved, sides = _run(problem, check, orders, avoid_boundaries, branches)
         except WrongGradient as failure:
@@ -447,11 +449,12 @@ def _run(
 
 
 @contextlib.contextmanager
-def _rngs_kept(generators: Sequence[torch.Generator]) -> Iterator[None]:
-    """The generators' states as they were before the block: the check seeds them."""
+def _rngs_kept(generators: Sequence[torch.Generator]) -> Iterator[list[torch.Tensor]]:
+    """The generators' states as they were before the block (yielded): the check resets
+    them to these states before each evaluation, and puts them back afterwards."""
     states = [generator.get_state() for generator in generators]
     try:
-        yield
+        yield states
     finally:
         for generator, state in zip(generators, states, strict=True):
             generator.set_state(state)
@@ -479,8 +482,8 @@ def _localized(problem: _Problem, check: _Check, failure: WrongGradient) -> Wron
     what = lines[0].split(" with respect to ")[0]
     diagnosis = problem.evaluations + search.evaluations - check._run_started - check.spent
     narrowed = (
-        f"  narrowed down in {time.perf_counter() - started:.2f} s by checking "
-        f"{search.summary()} on its own; the diagnosis made {diagnosis:,} "
+        f"  narrowed down in {time.perf_counter() - started:.2f} s by checking parts on their "
+        f"own ({search.summary()}); the diagnosis made {diagnosis:,} "
         f"evaluations, {diagnosis / max(check.spent, 1):.1f}x the {check.spent:,} of the check"
     )
     if source is None:
@@ -874,22 +877,31 @@ class _Problem:
         self.integer_inputs: dict[int, str] = {}
         integer_inputs: list[str] = []
 
-        paths_and_leaves, self._spec = pytree.tree_flatten_with_path((inputs, kwargs))
-        flat = all(len(path) == 2 for path, _ in paths_and_leaves)
-        flat = flat and len(paths_and_leaves) == len(inputs) + len(kwargs)
         self._positional = len(inputs)
-        self._keywords = list(kwargs) if flat else None
         names = input_names(function, len(inputs))
-        named_leaves = [
-            ("input " + _input_name(path, names), leaf) for path, leaf in paths_and_leaves
-        ]
+        if all(type(value) in _LEAVES for value in (*inputs, *kwargs.values())):
+            # Flat arguments (the common case): what pytree would find, without its cost.
+            self._keywords: list[str] | None = list(kwargs)
+            named_leaves = [
+                *((f"input {name}", value) for name, value in zip(names, inputs, strict=True)),
+                *((f"input {key}", value) for key, value in kwargs.items()),
+            ]
+        else:
+            paths_and_leaves, self._spec = pytree.tree_flatten_with_path((inputs, kwargs))
+            flat = all(len(path) == 2 for path, _ in paths_and_leaves)
+            flat = flat and len(paths_and_leaves) == len(inputs) + len(kwargs)
+            self._keywords = list(kwargs) if flat else None
+            named_leaves = [
+                ("input " + _input_name(path, names), leaf) for path, leaf in paths_and_leaves
+            ]
         named_parameters = self._named("_parameters")
+        named_buffers = self._named("_buffers")
         reject_data_less(
             "gradcheck",
             [
                 *((n, t) for n, t in named_leaves if isinstance(t, torch.Tensor)),
                 *((f"parameter {n}", t) for n, t in named_parameters),
-                *((f"buffer {n}", t) for n, t in self._named("_buffers")),
+                *((f"buffer {n}", t) for n, t in named_buffers),
             ],
         )
         self._leaves: list[Any] = []
@@ -922,7 +934,6 @@ class _Problem:
                 self.checked[-1].hooks = _gradient_hooks(parameter)
             else:
                 self._constants[id(parameter)] = _float64_copy(parameter)
-        named_buffers = self._named("_buffers")
         self._buffers = {
             id(buffer): _float64_copy(buffer)
             if buffer.is_floating_point() or buffer.is_complex()
@@ -1049,8 +1060,8 @@ class _Problem:
         else:  # flat arguments: what tree_unflatten would build, without its cost
             args = tuple(leaves[: self._positional])
             kwargs = dict(zip(self._keywords, leaves[self._positional :], strict=True))
-        if self._seeds is None:  # the first evaluation: seeded, and watched
-            self._seeds = [(generator, _seeded_state(generator)) for generator in self.generators]
+        if self._seeds is None:  # the first evaluation starts where the generators are
+            self.start_from([generator.get_state() for generator in self.generators])
         else:
             for generator, state in self._seeds:
                 generator.set_state(state)
@@ -1072,10 +1083,10 @@ class _Problem:
         if self.widen is False:
             return self._floating_outputs(self.function(*args, **kwargs))
         with self._mode:
-            outputs = self._floating_outputs(self.function(*args, **kwargs))
+            output = self.function(*args, **kwargs)
         if self.widen is None:
             self.widen = bool(self.widened or self.narrowed)
-        return outputs
+        return self._floating_outputs(output)
 
     def _install(self, values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """This evaluation's parameters and fresh buffer copies in the modules; the buffers."""
@@ -1105,11 +1116,9 @@ class _Problem:
         self._evaluated = True
         self._seeds = [
             (generator, state)
-            for generator, state in self._seeds
+            for generator, state in self._seeds or ()
             if not torch.equal(generator.get_state(), state)
         ]
-        if any(o.requires_grad for o in outputs) and reentrant_checkpoint(outputs):
-            raise _ReentrantCheckpoint(REENTRANT_CHECKPOINT.format(check="gradcheck"))
         originals = [
             (key, self._buffers[key])
             for key in dict.fromkeys(id(p.tensor) for p in self._buffer_places)
@@ -1125,6 +1134,22 @@ class _Problem:
             self._held = []
             return self.evaluate(values)
         return outputs
+
+    def start_from(self, states: list[torch.Tensor]) -> None:
+        """Each evaluation starts from these generator states, if the forward draws from
+        them (the first evaluation shows whether it does)."""
+        self._seeds = list(zip(self.generators, states, strict=True))
+
+    def reentrant_checkpoint(self) -> bool:
+        """Whether the forward at the point differentiates through a reentrant checkpoint.
+
+        Asked only after torch raised: a graph walk per check would cost every check."""
+        point = [c.value.detach().requires_grad_() for c in self.checked]
+        try:
+            outputs = self.evaluate(point)
+        except Exception:
+            return False
+        return reentrant_checkpoint(outputs)
 
     def _at_point(self, values: Sequence[torch.Tensor]) -> bool:
         return all(
@@ -1233,13 +1258,6 @@ class _Problem:
             for hooks in (module._backward_hooks, module._backward_pre_hooks):
                 found.extend(f"{name or 'the model'}: {_hook_name(h)}" for h in hooks.values())
         return found
-
-
-def _seeded_state(generator: torch.Generator) -> torch.Tensor:
-    """The generator's state right after ``manual_seed(EVALUATION_SEED)``; the generator
-    itself is left there (its state before the check is put back afterwards)."""
-    generator.manual_seed(EVALUATION_SEED)
-    return generator.get_state()
 
 
 class _ProbeRefused(Exception):
@@ -1353,14 +1371,16 @@ class _BufferWrites(TorchFunctionMode):
                 target.copy_(held)
 
 
-class _ReentrantCheckpoint(ValueError):
-    """Raised inside torch's check; re-raised as a plain ValueError without torch's frames."""
+# Types pytree treats as leaves that inputs often are: arguments of only these types are
+# flat, and need no pytree to flatten or rebuild.
+_LEAVES = frozenset(
+    {torch.Tensor, nn.Parameter, int, float, bool, complex, str, type(None), torch.dtype}
+)
 
 
 # What the check itself raises from inside an evaluation: never a refusal of the model.
 _CHECK_ERRORS = (
     _NoFloatingOutput,
-    _ReentrantCheckpoint,
     CannotStayFloat64,
     GradcheckFailure,
     _ProbeRefused,
@@ -1593,18 +1613,17 @@ class _Check:
         problem = self.problem
         self._run_started = problem.evaluations
         self.budget_end = 0
-        generator = torch.Generator().manual_seed(EVALUATION_SEED)
+        generator = torch.Generator().manual_seed(EVALUATION_SEED) if self.fast else None
         if self.fast and order == 1:
             try:
                 self._screen(generator)
             except RuntimeError:
+                self._reject_reentrant_checkpoint()
                 if not self._widen_from_now_on():
                     raise
                 self._run(order)
             except _NoFloatingOutput as error:
                 raise TypeError(str(error)) from None
-            except _ReentrantCheckpoint as error:
-                raise ValueError(str(error)) from None
             return
         if self.fast:
             function, inputs = self._directional(order, generator)
@@ -1620,6 +1639,8 @@ class _Check:
                     _Probes(problem.evaluate, problem.probe), inputs, **options
                 )
         except (GradcheckError, RuntimeError) as error:
+            if not isinstance(error, GradcheckError):
+                self._reject_reentrant_checkpoint()
             if self._widen_from_now_on():
                 return self._run(order)
             if not isinstance(error, GradcheckError):
@@ -1627,10 +1648,15 @@ class _Check:
             raise _Diagnosis(self, order, str(error)).failure() from None
         except _NoFloatingOutput as error:
             raise TypeError(str(error)) from None
-        except _ReentrantCheckpoint as error:
-            raise ValueError(str(error)) from None
         except CannotStayFloat64 as error:
             raise CannotStayFloat64(str(error)) from None
+
+    def _reject_reentrant_checkpoint(self) -> None:
+        """After torch raised: a ``ValueError`` saying why, if the forward holds a reentrant
+        checkpoint (torch's own message names no way out)."""
+        __tracebackhide__ = True
+        if self.problem.reentrant_checkpoint():
+            raise ValueError(REENTRANT_CHECKPOINT.format(check="gradcheck")) from None
 
     def _widen_from_now_on(self) -> bool:
         """After a failure without Float64Mode: whether to check again with it.
