@@ -168,40 +168,34 @@ def cases(
 def empty_cases(dtype: torch.dtype = torch.float64) -> Iterator[Case]:
     """Each elementwise op on an empty tensor, in every input position.
 
-    From the op's first sample: a unary op's input becomes empty (its first dimension
-    0); for a binary op on two tensors of one shape, one of them becomes empty and the
-    other loses its first dimension (it broadcasts against the empty one).
+    A unary op's first sample with its input emptied (its first dimension 0, the other
+    arguments as they were); a binary op on an empty ``(0, 3)`` tensor and a full
+    ``(3,)`` one that broadcasts against it, either way round.
     """
     for op in ops(dtype):
-        if not isinstance(op, (UnaryUfuncInfo, BinaryUfuncInfo)):
-            continue
-        sample = next(iter(op.sample_inputs("cpu", dtype, requires_grad=True)), None)
-        if sample is None or not isinstance(sample.input, torch.Tensor) or not sample.input.ndim:
-            continue
-        args, kwargs = tuple(sample.args), dict(sample.kwargs)
         if isinstance(op, UnaryUfuncInfo):
-            yield Case(f"{op_name(op)} (empty input)", op, _emptied(sample.input), args, kwargs)
-            continue
-        other = args[0] if args else None
-        if not isinstance(other, torch.Tensor) or other.shape != sample.input.shape:
-            continue
-        for position in (0, 1):
-            pair = [_emptied(sample.input), _first_row(other)]
-            if position:
-                pair = [_first_row(sample.input), _emptied(other)]
-            yield Case(
-                f"{op_name(op)} (empty input {position})", op, pair[0], (pair[1], *args[1:]), kwargs
-            )
+            sample = next(iter(op.sample_inputs("cpu", dtype, requires_grad=True)), None)
+            if (
+                sample is None
+                or not isinstance(sample.input, torch.Tensor)
+                or not sample.input.ndim
+            ):
+                continue
+            input = _emptied(sample.input)
+            yield Case(f"{op_name(op)} (empty input)", op, input, tuple(sample.args), sample.kwargs)
+        elif isinstance(op, BinaryUfuncInfo):
+            for position in (0, 1):
+                full = (torch.rand(3, dtype=dtype) + 0.5).requires_grad_()
+                pair = [torch.empty(0, 3, dtype=dtype, requires_grad=True), full]
+                if position:
+                    pair.reverse()
+                yield Case(f"{op_name(op)} (empty input {position})", op, pair[0], (pair[1],), {})
 
 
 def _emptied(tensor: torch.Tensor) -> torch.Tensor:
     """An empty tensor like ``tensor`` without its first dimension's elements."""
     empty = torch.empty((0, *tensor.shape[1:]), dtype=tensor.dtype)
     return empty.requires_grad_(tensor.requires_grad)
-
-
-def _first_row(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach()[0].clone().requires_grad_(tensor.requires_grad)
 
 
 def ours(gradcheck: Callable[..., Any], case: Case, fast: bool | None = None) -> Outcome:

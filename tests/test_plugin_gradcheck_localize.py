@@ -180,8 +180,8 @@ def test_the_failure_carries_where_it_enters(gradcheck):
     assert (source.kind.name, source.name, source.module) == (
         "FUNCTION", "SloppyTanhLinear", "blocks.1.projection (Projection)"
     )
-    assert source.location.line == LINES["LINE-SLOPPY-BACKWARD"]
-    assert source.applied_at.line == LINES["LINE-APPLY"]
+    assert source.location.line == LINE_SLOPPY_BACKWARD
+    assert source.applied_at.line == LINE_APPLY
     assert source.tensor == "input x" and caught.value.tensor.startswith("input x")
 """
 
@@ -211,7 +211,7 @@ EXPECTED_PLANTED = {
     ],
     "test_function_two_modules_deep_in_fast_mode": [
         "E*WrongGradient: wrong first-order gradient of Encoder: the error enters in the custom "
-        "autograd Function SloppyTanhLinear (*) in blocks.1.projection (Projection)",
+        "autograd Function SloppyTanhLinear (*), applied at * in blocks.1.projection (Projection)",
         "E*it reaches *",
         "E*checked Encoder in float64 *, fast mode *",
     ],
@@ -235,14 +235,17 @@ EXPECTED_PLANTED = {
 
 
 def test_planted_bugs_are_named_by_their_own_place(plugin_pytester):
-    source = PLANTED + f"\n\nLINES = {LINES!r}\n"
+    source = PLANTED + "".join(
+        f"\n{marker.replace('-', '_')} = {line}" for marker, line in LINES.items()
+    )
     result = run_session(plugin_pytester, source)
     result.assert_outcomes(passed=4, failed=len(EXPECTED_PLANTED))
     assert_failures(result, EXPECTED_PLANTED)
     # The narrowing is bounded: at most DIAGNOSIS_MULTIPLE (20) times the check's own cost.
     for report in failure_reports(result).values():
         multiple = re.search(r"the diagnosis made [\d,]+ evaluations, ([\d.]+)x", "\n".join(report))
-        assert multiple and float(multiple.group(1)) <= 21, report
+        assert multiple, report
+        assert float(multiple.group(1)) <= 21, report
 
 
 DECISIONS = """

@@ -20,11 +20,11 @@ import torch
 from conftest import DEFAULT_PACKAGE
 from test_plugin_gradcheck import assert_failures, run_session
 
-# Every 24th op of torch's list (a spread over its families), and the ops each of
+# Every 10th op of torch's list (a spread over its families), and the ops each of
 # which stands for a kind of op the fixture once got wrong or that is checked through
 # a gradcheck_wrapper: conjugate-view outputs, complex outputs, hermitian, triangular and
 # masked inputs, CTC loss, random ops that reseed.
-SAMPLE_EVERY = 24
+SAMPLE_EVERY = 10
 NAMED = {
     "fft.ifft",
     "fft.ihfft",
@@ -69,7 +69,7 @@ def test_a_sample_of_torchs_ops_agrees_with_torch(gradcheck, fast):
         *sweep.cases(torch.float64, samples_per_op=1, names=sampled_names()),
         *sweep.cases(torch.complex128, samples_per_op=2, names=COMPLEX_NAMED),
     ]
-    assert len(cases) >= 40
+    assert len(cases) >= 35
     differ = []
     for case in cases:
         ours, theirs = sweep.ours(gradcheck, case, fast), sweep.theirs(case, fast)
@@ -89,10 +89,10 @@ def test_elementwise_ops_on_empty_tensors_in_every_position(gradcheck, fast):
 
 @pytest.mark.parametrize("plant", list(sweep.Plant), ids=lambda plant: plant.name.lower())
 def test_planted_bugs_fail_both_and_are_named(gradcheck, plant):
-    names = {"mul", "matmul", "nn.functional.softmax", "linalg.det", "cumsum"}
+    names = {"addmm", "matmul", "softmax", "cumsum", "nn.functional.conv1d", "exp"}
     cases = [c for c in sweep.cases(torch.float64, samples_per_op=1, names=names)]
     cases = [c for c in cases if sweep.plantable(c)]
-    assert len(cases) >= 4
+    assert len(cases) == len(names)
     for case in cases:
         correct = sweep.ours(gradcheck, case)
         assert correct.verdict is sweep.Verdict.PASS, (case.name, str(correct))

@@ -71,7 +71,7 @@ from .control_flow import (
 from .failures import CheckFailure, raised
 from .float64 import CannotStayFloat64, Float64Mode, Narrowing, Widening, writes
 from .naming import describe_callable, element_name, input_names
-from .parts import FunctionCall, ModuleCall, Parts, record_parts
+from .parts import FunctionCall, ModuleCall, Parts, definition, record_parts
 from .trees import map_tensors, named_leaves
 
 # Above this many checked elements (inputs and parameters together) fast=None picks
@@ -1399,7 +1399,7 @@ class _Hook:
 def _gradient_hooks(parameter: torch.Tensor) -> tuple[_Hook, ...]:
     """The parameter's ``register_hook`` and ``register_post_accumulate_grad_hook`` hooks."""
     hooks = [
-        _Hook(_defined_only(h), _hook_name(h), _hook_location(h))
+        _Hook(_defined_only(h), _hook_name(h), definition(h))
         for h in (parameter._backward_hooks or {}).values()
     ]
     for hook in (getattr(parameter, "_post_accumulate_grad_hooks", None) or {}).values():
@@ -1407,15 +1407,10 @@ def _gradient_hooks(parameter: torch.Tensor) -> tuple[_Hook, ...]:
             _Hook(
                 _defined_only(_after_accumulation(hook)),
                 _hook_name(hook) + " (post-accumulate)",
-                _hook_location(hook),
+                definition(hook),
             )
         )
     return tuple(hooks)
-
-
-def _hook_location(hook: Any) -> Location:
-    code = getattr(inspect.unwrap(hook), "__code__", None)
-    return Location(code.co_filename, code.co_firstlineno) if code else UNKNOWN_LOCATION
 
 
 def _defined_only(hook: Callable[[torch.Tensor], Any]) -> Callable[[Any], Any]:

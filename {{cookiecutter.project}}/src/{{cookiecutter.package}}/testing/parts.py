@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import linecache
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -31,13 +32,27 @@ from torch import nn
 from .control_flow import TORCH_DIR, UNKNOWN_LOCATION, Location, user_location
 from .trees import map_tensors
 
-__all__ = ["FunctionCall", "ModuleCall", "Parts", "record_parts"]
+__all__ = ["FunctionCall", "ModuleCall", "Parts", "definition", "record_parts"]
 
 # At most this many calls of each kind are recorded: each keeps copies of its inputs.
 MAX_CALLS = 256
+# How far below a function's first line its def is looked for (decorators above it).
+_DECORATOR_LINES = 8
 
 _APPLY = torch.autograd.Function.apply.__func__.__code__
 _MODULE_CALL = nn.Module._call_impl.__code__
+
+
+def definition(function: Any) -> Location:
+    """The line of the ``def`` of a Python function (below its decorators)."""
+    code = getattr(inspect.unwrap(function), "__code__", None)
+    if code is None:
+        return UNKNOWN_LOCATION
+    first = code.co_firstlineno  # the first decorator's line, where there are decorators
+    for line in range(first, first + _DECORATOR_LINES):
+        if linecache.getline(code.co_filename, line).lstrip().startswith(("def ", "async def ")):
+            return Location(code.co_filename, line)
+    return Location(code.co_filename, first)
 
 
 @dataclass
@@ -70,13 +85,8 @@ class FunctionCall:
     @property
     def backward_location(self) -> Location:
         """The file and line where the class's ``backward`` is defined."""
-        backward = inspect.unwrap(
-            getattr(self.function.backward, "__func__", None) or self.function.backward
-        )
-        code = getattr(backward, "__code__", None)
-        if code is None:
-            return UNKNOWN_LOCATION
-        return Location(code.co_filename, code.co_firstlineno)
+        backward = getattr(self.function.backward, "__func__", None) or self.function.backward
+        return definition(backward)
 
     def input_names(self) -> list[str]:
         """The names the forward gives its positional inputs, ``ctx`` left out."""
