@@ -72,7 +72,7 @@ from .failures import CheckFailure, raised
 from .float64 import CannotStayFloat64, Float64Mode, Narrowing, Widening, writes
 from .naming import describe_callable, element_name, input_names
 from .parts import FunctionCall, ModuleCall, Parts, definition, record_parts
-from .trees import map_tensors, named_leaves
+from .trees import named_leaves
 
 # Above this many checked elements (inputs and parameters together) fast=None picks
 # fast mode: slow mode would cost two forward passes per element.
@@ -394,6 +394,11 @@ def gradcheck(
             if failure.order != 1:
                 raise
             raise _localized(problem, check, failure) from None
+        except _OnTheOtherSide as other:
+            failure = other.failure
+            if isinstance(failure, WrongGradient) and failure.order == 1:
+                failure = _localized(problem, check, failure, other.side.values)
+            raise other.reported(failure) from None
         except (GradcheckFailure, CannotStayFloat64):
             raise
         except Exception as error:
@@ -464,7 +469,12 @@ _OPTIONS = ("params", "gradgrad", "fast", "eps", "atol", "rtol", "avoid_boundari
 BRANCH_CHOICES = ("point", "all")
 
 
-def _localized(problem: _Problem, check: _Check, failure: WrongGradient) -> WrongGradient:
+def _localized(
+    problem: _Problem,
+    check: _Check,
+    failure: WrongGradient,
+    point: Sequence[torch.Tensor] | None = None,
+) -> WrongGradient:
     """``failure`` told from where the error enters to what it reaches.
 
     Narrowed down within the diagnosis budget, cheapest first: a gradient hook of the
@@ -475,12 +485,20 @@ def _localized(problem: _Problem, check: _Check, failure: WrongGradient) -> Wron
     """
     started = time.perf_counter()
     search = _Localization(problem, check)
-    source, part = search.run(failure)
+    at_point = [checked.value for checked in problem.checked]
+    if point is not None:  # the other side of a branch, where the failure was found
+        for checked, value in zip(problem.checked, point, strict=True):
+            checked.value = value
+    try:
+        source, part = search.run(failure)
+    finally:
+        for checked, value in zip(problem.checked, at_point, strict=True):
+            checked.value = value
     if search.checked_parts == 0 and source is None:
         return failure
     lines = str(failure).splitlines()
     what = lines[0].split(" with respect to ")[0]
-    diagnosis = problem.evaluations + search.evaluations - check._run_started - check.spent
+    diagnosis = problem.evaluations + search.part_evaluations - check._run_started - check.spent
     narrowed = (
         f"  narrowed down in {time.perf_counter() - started:.2f} s by checking parts on their "
         f"own ({search.summary()}); the diagnosis made {diagnosis:,} "
@@ -516,7 +534,8 @@ class _Localization:
         self.problem, self.check = problem, check
         remaining = check.diagnosis_budget() - problem.evaluations
         self.budget = max(remaining, check.spent + DIAGNOSIS_FLOOR)
-        self.evaluations = 0
+        self.started = problem.evaluations
+        self.part_evaluations = 0  # those of the parts' own problems
         self.functions = self.modules = self.hooks = 0
         self.checked_parts = 0
 
@@ -530,6 +549,11 @@ class _Localization:
             if count:
                 parts.append(f"{count} {what}" + ("s" if count > 1 else ""))
         return " and ".join(parts) or "no part"
+
+    @property
+    def evaluations(self) -> int:
+        """What the narrowing has cost so far: the model's evaluations and the parts'."""
+        return self.part_evaluations + self.problem.evaluations - self.started
 
     @property
     def exhausted(self) -> bool:
@@ -578,7 +602,7 @@ class _Localization:
         except Exception:  # the part cannot be checked on its own: no verdict
             return None
         finally:
-            self.evaluations += part.evaluations if part is not None else 0
+            self.part_evaluations += part.evaluations if part is not None else 0
         return None
 
     def _hook(self, failure: WrongGradient) -> ErrorSource | None:
@@ -587,12 +611,23 @@ class _Localization:
         checked = next((c for c in problem.checked if c.name == failure.tensor), None)
         if checked is None or not checked.hooks:
             return None
-        name = checked.name.removeprefix("parameter ")
         self.hooks += 1
-        inputs = map_tensors(torch.Tensor.detach, problem.inputs)
-        kwargs = map_tensors(torch.Tensor.detach, problem.kwargs)
-        if self._part(problem.function, inputs, kwargs, [name], hooks=False) is not None:
+        self.checked_parts += 1
+        problem.hooks_enabled = False
+        try:
+            with problem.installed():
+                _Check(
+                    problem,
+                    fast=True,
+                    reason="the model without its gradient hooks",
+                    eps=self.check.eps,
+                    atol=self.check.atol,
+                    rtol=self.check.rtol,
+                ).run(1)
+        except Exception:  # still wrong without them (or not checkable): not the hooks
             return None
+        finally:
+            problem.hooks_enabled = True
         hooks = ", ".join(hook.description for hook in checked.hooks)
         return ErrorSource(SourceKind.HOOK, hooks, checked.hooks[0].location, tensor=checked.name)
 
@@ -717,6 +752,23 @@ def _derivative_text(failure: WrongGradient) -> str:
     )
 
 
+class _OnTheOtherSide(Exception):
+    """A failure found on the other side of a branch; ``gradcheck`` narrows it down there."""
+
+    def __init__(self, failure: GradcheckFailure, side: BranchSide) -> None:
+        super().__init__(str(failure))
+        self.failure, self.side = failure, side
+
+    def reported(self, failure: GradcheckFailure) -> GradcheckFailure:
+        side = self.side
+        failure.args = (
+            f"on the other side of the branch at {side.location} ({side.source}): "
+            f"{not side.at_point} there, {side.at_point} at the given point; the inputs "
+            f"moved by {side.moved:.3g} of their norm:\n{failure}",
+        )
+        return failure
+
+
 def _check_other_sides(
     problem: _Problem, check: _Check, orders: tuple[int, ...]
 ) -> tuple[BranchSide, ...]:
@@ -734,12 +786,7 @@ def _check_other_sides(
             for order in orders:
                 check.run(order)
         except GradcheckFailure as failure:
-            failure.args = (
-                f"on the other side of the branch at {side.location} ({side.source}): "
-                f"{not side.at_point} there, {side.at_point} at the given point; the inputs "
-                f"moved by {side.moved:.3g} of their norm:\n{failure}",
-            )
-            raise
+            raise _OnTheOtherSide(failure, side) from None
         finally:
             for checked, value in zip(problem.checked, at_point, strict=True):
                 checked.value = value
