@@ -13,11 +13,12 @@ name the Function, the input and (one element off) the element.
 
 ``--cost`` (the first sample of each of ``--ops`` ops, float64): CPU time of the
 fixture's plain function against ``torch.autograd.gradcheck`` on the same function (of
-the tensors that require grad, as torch's test builds it) in the same mode, best of
-``--repeats`` interleaved runs, one torch thread. Targets: at most 1.10x where torch
-takes 5 ms or more, 1.3x below. The per-evaluation overhead is timed directly (the
-fixture's evaluation of the function against calling it), and the fixed cost per call
-is what remains: fixture - torch - evaluations x overhead.
+the tensors that require grad, as torch's test builds it) in the same mode, per call
+over blocks of calls of about 20 ms, best of ``--repeats`` interleaved blocks, one
+torch thread. Targets: at most 1.10x where torch takes 5 ms or more, 1.3x below. The
+per-evaluation overhead is timed directly (the fixture's evaluation of the function
+against calling it), and the fixed cost per call is what remains: fixture - torch -
+evaluations x overhead.
 
     python benchmarks/gradcheck_op_db.py [--agreement] [--cost] [--ops 300] [--repeats 5]
                                          [--src SRC]
@@ -41,6 +42,9 @@ from baking import TEMPLATE_DIR, use_generated_src
 TARGETS = ((0.0, 5e-3, 1.3), (5e-3, math.inf, 1.10))  # torch's time range, ratio target
 FIXED_COST_TARGET = 1e-4  # seconds per call
 EVALUATION_OVERHEAD_TARGET = 2e-6  # seconds per evaluation
+# Each side is timed over calls adding up to about this long, as a test suite calls
+# checks one after another (one call alone measures mostly the cold caches of the moment).
+BLOCK_SECONDS = 0.02
 
 
 def agreement(gradcheck, sweep) -> None:
@@ -91,13 +95,11 @@ def agreement(gradcheck, sweep) -> None:
         print("  " + line.replace("\n", " | ")[:400])
 
 
-def _best_cpu(function, repeats: int) -> float:
-    best = math.inf
-    for _ in range(repeats):
-        started = time.process_time()
+def _cpu_per_call(function, loops: int) -> float:
+    started = time.process_time()
+    for _ in range(loops):
         function()
-        best = min(best, time.process_time() - started)
-    return best
+    return (time.process_time() - started) / loops
 
 
 def _evaluations(case) -> int:
@@ -145,10 +147,11 @@ def cost(gradcheck, gradcheck_module, sweep, ops: int, repeats: int) -> bool:
         if sweep.theirs(case).verdict is not sweep.Verdict.PASS:
             continue
         seen += 1
+        loops = max(1, round(BLOCK_SECONDS / max(sweep.theirs(case).seconds, 1e-5)))
         fixture = direct = math.inf
         for _ in range(repeats):  # interleaved, so load on the machine hits both alike
-            fixture = min(fixture, _best_cpu(lambda: sweep.ours_flat(gradcheck, case), 1))  # noqa: B023
-            direct = min(direct, _best_cpu(lambda: sweep.theirs(case), 1))  # noqa: B023
+            fixture = min(fixture, _cpu_per_call(lambda: sweep.ours_flat(gradcheck, case), loops))  # noqa: B023
+            direct = min(direct, _cpu_per_call(lambda: sweep.theirs(case), loops))  # noqa: B023
         evaluations = _evaluations(case)
         overhead = _evaluation_overhead(gradcheck_module, case)
         rows.append((case.name, direct, fixture, evaluations, overhead))
