@@ -56,7 +56,8 @@ def answers_problems(answers: Any) -> list[str]:
             lines.append(f"error: {name!r} is not an answer of this template: {', '.join(known)}")
     if lines:
         return lines
-    return checks["problems"]({**answers, "_compatibility": template["_compatibility"]})
+    data = {name: value for name, value in template.items() if name.startswith("_")}
+    return checks["problems"]({**answers, **data})
 
 
 def main(argv: list[str] | None = None) -> int:

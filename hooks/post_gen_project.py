@@ -1,4 +1,5 @@
-"""Remove what the answers turned off, record the template for cruft, print the next steps.
+"""Remove what the answers turned off, record the template for cruft, print the next steps
+(not while cruft renders a copy to compare a project with).
 
 Runs inside the new project folder. The answers arrive as JSON data (see
 pre_gen_project.py); none is pasted into this source as code.
@@ -8,6 +9,7 @@ import json
 import re
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 from cookiecutter.config import get_user_config
@@ -99,6 +101,23 @@ def dev_user(project):
     return found.group(1) if found else "<user>"
 
 
+def comparison_copy(project, answers):
+    """Whether cruft renders the template to compare it with a project that exists
+    (``cruft update``, ``cruft diff``), not to create one: then this folder is thrown
+    away, and the next steps are not true.
+
+    cruft marks every rendering with ``_commit``; it renders its comparison copies into
+    a fresh ``tempfile.TemporaryDirectory`` of its own (``tmp`` and 8 random characters
+    in the temporary folder), where ``cruft create`` writes the folder the user names.
+    """
+    output = project.resolve().parent
+    return (
+        "_commit" in answers
+        and output.parent == Path(tempfile.gettempdir()).resolve()
+        and re.fullmatch(r"tmp[a-z0-9_]{8}", output.name) is not None
+    )
+
+
 def next_steps(project, answers):
     name = answers["project"]
     lines = [
@@ -123,4 +142,5 @@ if __name__ == "__main__":
     remove_unused(project, ANSWERS)
     remove_caches(project)
     record_template(project, ANSWERS)
-    print("\n".join(next_steps(project, ANSWERS)))
+    if not comparison_copy(project, ANSWERS):
+        print("\n".join(next_steps(project, ANSWERS)))

@@ -34,15 +34,14 @@ JOINERS = ("\u200c", "\u200d")
 
 # Modules a project's package must not shadow: the standard library and what users
 # of this template import next to it (a package named `torch` or `tests` would be
-# imported instead of the real one).
+# imported instead of the real one). The modules of every distribution the project
+# installs (torch, its dependencies, the extras) are in cookiecutter.json's
+# `_reserved_names`, with those distributions' names.
 SHADOWED_MODULES = frozenset(sys.stdlib_module_names) | {
-    "torch", "torchvision", "torchaudio", "torchtext", "functorch", "triton",
-    "numpy", "scipy", "pandas", "matplotlib", "sklearn", "PIL", "cv2", "tqdm",
-    "yaml", "transformers", "datasets", "accelerate", "lightning", "tensorboard",
-    "pytest", "_pytest", "pluggy", "xdist", "hypothesis", "test", "tests",
-    "conftest", "setuptools", "pkg_resources", "pip", "wheel", "hatchling",
-    "IPython", "jupyter", "jupyterlab", "notebook", "ipykernel", "pre_commit",
-    "ruff", "src",
+    "torchvision", "torchaudio", "torchtext", "scipy", "pandas", "sklearn", "cv2",
+    "tqdm", "transformers", "datasets", "accelerate", "lightning", "hypothesis",
+    "test", "tests", "conftest", "pkg_resources", "pip", "wheel", "hatchling",
+    "jupyterlab", "notebook", "src",
 }  # fmt: skip
 
 PROJECT_NAME = re.compile(r"[A-Za-z][A-Za-z0-9]*(?:[-_.][A-Za-z0-9]+)*")
@@ -58,16 +57,46 @@ def package_for(project):
     return project.lower().replace("-", "_").replace(".", "_")
 
 
-def module_name_problem(name):
+def normalized(name):
+    """A distribution name as pip compares it (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def module_name_problem(name, answers):
     """What a package name must be instead of ``name``, or None when it is fine."""
     if keyword.iskeyword(name):
         return f"a package name ({name!r} here) that is not a Python keyword"
-    if name in SHADOWED_MODULES or name.lower() in SHADOWED_MODULES:
+    installed = {module.lower() for module in answers["_reserved_names"]["modules"]}
+    if name in SHADOWED_MODULES or name.lower() in SHADOWED_MODULES | installed:
         return (
-            f"a package name ({name!r} here) that does not shadow a module users import "
-            "(the standard library, torch, numpy, pytest, test, tests, ...)"
+            f"a package name ({name!r} here) that does not shadow a module users import or the "
+            "project installs (the standard library, torch and the libraries it needs, those of "
+            "the extras such as numpy and pytest, test, tests, ...)"
         )
     return None
+
+
+def distribution_name_problem(name, answers):
+    """What a project name must be instead of ``name`` when pip would take the project for
+    a distribution that it installs, or None."""
+    reserved = answers["_reserved_names"]
+    wanted = normalized(name)
+    if wanted in reserved["torch"] or wanted.startswith(tuple(reserved["torch_prefixes"])):
+        clash = (
+            "one torch needs: pip would take the project for it and download other "
+            "torch versions, several GB each, looking for one that fits"
+        )
+    elif wanted in reserved["extras"]:
+        clash = (
+            "one the dev, train or notebook extra installs: pip would take the "
+            "project for it and fail, or download older versions of what needs it"
+        )
+    else:
+        return None
+    return (
+        "a project name other than those of the distributions the project installs "
+        f"({wanted!r}, as pip reads the name, is {clash})"
+    )
 
 
 def check_project(value, answers):
@@ -76,7 +105,9 @@ def check_project(value, answers):
             "at most 64 ASCII letters, digits and single '-', '_' or '.' between them, "
             "starting with a letter (e.g. dynamic-model)"
         )
-    return module_name_problem(package_for(value))
+    return distribution_name_problem(value, answers) or module_name_problem(
+        package_for(value), answers
+    )
 
 
 def check_package(value, answers):
@@ -85,7 +116,7 @@ def check_package(value, answers):
             "a lowercase Python identifier of at most 64 ASCII letters, digits and '_', "
             "starting with a letter (e.g. dynamic_model)"
         )
-    return module_name_problem(value)
+    return module_name_problem(value, answers)
 
 
 def is_visible(char):
@@ -244,7 +275,8 @@ CHECKS = {
 def problems(answers):
     """One line per bad answer: the field, the value and what is allowed.
 
-    ``answers`` is cookiecutter's context: the answers and the ``_compatibility`` table.
+    ``answers`` is cookiecutter's context: the answers, the ``_compatibility`` table and the
+    ``_reserved_names``.
     """
     lines = []
     for field, check in CHECKS.items():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import sysconfig
@@ -114,6 +115,13 @@ class ProjectEnv:
 @pytest.fixture
 def project_env(tmp_path: Path) -> ProjectEnv:
     return ProjectEnv(tmp_path / "venv")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def module_environment(

@@ -41,6 +41,7 @@ BASE_FILES = frozenset(
         "src/{package}/_progress.py",
         "src/{package}/doctor.py",
         "src/{package}/gpus.py",
+        "src/{package}/launch.py",
         "src/{package}/models.py",
         "src/{package}/testing/__init__.py",
         "src/{package}/testing/branches.py",

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import csv
 import json
+import subprocess
+from importlib.metadata import version
 from pathlib import Path
 
 import nbformat
@@ -93,3 +95,48 @@ def test_breakpoint_is_shown_but_never_executed(default_project: Path) -> None:
     ]
     assert lines
     assert all(line.startswith("#") for line in lines)
+
+
+def readme_notebook_line(project: Path) -> str:
+    """The one line the generated README gives to run the notebook outside the container."""
+    readme = (project / "README.md").read_text()
+    section = readme.split("The quickstart notebook, outside the container", 1)[1]
+    (line,) = section.split("```bash\n", 1)[1].split("```", 1)[0].splitlines()
+    return line
+
+
+@pytest.mark.slow
+def test_readme_line_runs_the_notebook_outside_the_container(bake, project_env) -> None:
+    """The README's line, typed in a fresh environment: pip installs the ``notebook`` extra
+    and ``jupyter execute`` runs every cell in a kernel of that environment's Python."""
+    project = bake()
+    line = readme_notebook_line(project)
+    assert line == 'pip install -e ".[notebook]" && jupyter execute notebooks/quickstart.ipynb'
+    # project_env sees this test run's packages through a .pth file, but not their
+    # scripts: pip, jupyter and jupyter-execute of its own (these versions, no
+    # dependencies) make the line install into it and start the kernel with its Python.
+    scripts = [f"{name}=={version(name)}" for name in ("pip", "jupyter-core", "nbclient")]
+    project_env.run("pip", "install", "--quiet", "--no-deps", "--ignore-installed", *scripts,
+                    cwd=project)  # fmt: skip
+    result = subprocess.run(
+        ["bash", "-c", line],
+        cwd=project,
+        env=project_env.env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "Executing notebooks/quickstart.ipynb" in result.stderr
+    assert "does not provide the extra" not in result.stdout + result.stderr
+    notebook_extra = subprocess.run(
+        [str(project_env.python), "-c", "from importlib.metadata import requires; "
+         "print([r for r in requires('dynamic-model') if 'notebook' in r])"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    assert "ipykernel" in notebook_extra
+    assert "nbclient" in notebook_extra
+    (run,) = (project / "notebooks" / "runs").iterdir()
+    with (run / "metrics.csv").open(newline="") as file:
+        assert [row["epoch"] for row in csv.DictReader(file)] == ["1", "2", "3", "4", "5"]

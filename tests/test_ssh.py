@@ -54,11 +54,14 @@ def running(pid: int) -> bool:
     return stat.rpartition(")")[2].split()[0] != "Z"
 
 
-def make_key(path: Path) -> Path:
+def make_key(path: Path, *type_and_bits: str) -> Path:
+    """A key pair at ``path`` and ``path.pub``: ed25519, or e.g. ``make_key(p, "rsa", "1024")``."""
+    key_type, *bits = type_and_bits or ("ed25519",)
     subprocess.run(
-        ["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-C", path.name, "-f", str(path)],
+        ["ssh-keygen", "-q", "-t", key_type, *(["-b", *bits] if bits else []), "-N", "",
+         "-C", path.name, "-f", str(path)],
         check=True,
-    )
+    )  # fmt: skip
     return path
 
 
@@ -228,13 +231,18 @@ def test_passwords_and_keyboard_interactive_are_not_offered(server: SshServer):
     assert "Permission denied (publickey)." in result.stderr
 
 
-def test_effective_configuration_is_key_only(server: SshServer):
-    effective = subprocess.run(
+def effective_configuration(server: SshServer) -> list[str]:
+    """``sshd -T``: every setting as sshd applies it, one ``keyword value`` a line."""
+    return subprocess.run(
         [SSHD, "-T", "-f", str(server.runtime / "sshd_config")],
         capture_output=True,
         text=True,
         check=True,
     ).stdout.splitlines()
+
+
+def test_effective_configuration_is_key_only(server: SshServer):
+    effective = effective_configuration(server)
     for line in (
         "passwordauthentication no",
         "kbdinteractiveauthentication no",
@@ -372,3 +380,244 @@ def test_bad_port_is_refused_with_its_name(server: SshServer):
     with pytest.raises(subprocess.CalledProcessError) as failure:
         server.start(PROJECT_SSH_PORT="22x")
     assert "PROJECT_SSH_PORT=22x is not a TCP port number" in failure.value.stderr
+
+
+@contextlib.contextmanager
+def stopped(server: SshServer):
+    """The server stopped for the block, then started again as the fixture started it."""
+    server.stop()
+    try:
+        yield
+    finally:
+        server.stop()
+        server.start()
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
+def fingerprint(public_key: Path) -> str:
+    """``SHA256:... comment``, as start-sshd names a refused key."""
+    listed = subprocess.run(
+        ["ssh-keygen", "-l", "-f", str(public_key)], capture_output=True, text=True, check=True
+    ).stdout.split(" ", 1)[1]
+    return listed.rsplit(" (", 1)[0]
+
+
+# Key pairs by name: "rsa1024" is an RSA key of 1024 bits; under 2048 bits RSA is refused.
+WEAK_KEYS = {"rsa1024": ("rsa", "1024"), "rsa1536": ("rsa", "1536")}
+STRONG_KEYS = {
+    "rsa2048": ("rsa", "2048"),
+    "rsa3072": ("rsa", "3072"),
+    "ecdsa256": ("ecdsa", "256"),
+    "ecdsa521": ("ecdsa", "521"),
+    "ed25519": ("ed25519",),
+}
+
+
+@pytest.fixture(scope="module")
+def typed_keys(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    folder = tmp_path_factory.mktemp("typed-keys")
+    return {
+        name: make_key(folder / name, *kind) for name, kind in {**WEAK_KEYS, **STRONG_KEYS}.items()
+    }
+
+
+def test_rsa_keys_under_2048_bits_are_refused_by_name(server: SshServer, typed_keys):
+    """OpenSSH accepts RSA keys from 1024 bits; start-sshd authorizes none under 2048 and
+    names each refused key by its fingerprint and comment; every other key type logs in."""
+    lines = [typed_keys[name].with_suffix(".pub").read_text().strip() for name in typed_keys]
+    with stopped(server):
+        result = server.start(SSH_AUTHORIZED_KEYS="\n".join(lines) + "\n")
+        refusals = [line for line in result.stderr.splitlines() if "bits" in line]
+        assert refusals == [
+            f"start-sshd: ignoring line {number} of SSH_AUTHORIZED_KEYS: the RSA key "
+            f"{fingerprint(typed_keys[name].with_suffix('.pub'))} has {WEAK_KEYS[name][1]} bits;"
+            " RSA keys need at least 2048 (make a new key: ssh-keygen -t ed25519)"
+            for number, name in enumerate(WEAK_KEYS, start=1)
+        ]
+        for name in WEAK_KEYS:
+            refused = server.ssh(server.user, typed_keys[name], "true")
+            assert refused.returncode == 255, name
+            assert "Permission denied (publickey)" in refused.stderr
+        for name in STRONG_KEYS:
+            session = server.ssh(server.user, typed_keys[name], "echo", name)
+            assert session.stdout.strip() == name, f"{name}: {session.stderr}"
+
+
+def test_short_rsa_keys_in_the_users_own_authorized_keys_are_refused(server: SshServer, typed_keys):
+    """~/.ssh/authorized_keys in the container is read by sshd itself: RequiredRSASize."""
+    effective = effective_configuration(server)
+    if not any(line.startswith("requiredrsasize ") for line in effective):
+        pytest.skip("this sshd is older than OpenSSH 9.1, which added RequiredRSASize")
+    assert "requiredrsasize 2048" in effective
+    home = Path(subprocess.check_output(["getent", "passwd", server.user], text=True).split(":")[5])
+    own = home / ".ssh" / "authorized_keys"
+    own.parent.mkdir(exist_ok=True)
+    own.write_text(
+        "".join(typed_keys[name].with_suffix(".pub").read_text() for name in ("rsa1024", "rsa2048"))
+    )
+    try:
+        assert server.ssh(server.user, typed_keys["rsa1024"], "true").returncode == 255
+        session = server.ssh(server.user, typed_keys["rsa2048"], "echo", "own file")
+        assert session.stdout.strip() == "own file", session.stderr
+    finally:
+        own.unlink()
+
+
+POLICY = "{policy}"  # stands for the generated policy's path in the cases below
+REFUSED_POLICIES = {
+    # sshd -t passes for all of these, and sshd would run on the distribution's defaults
+    # (passwords, keyboard-interactive, root with a key, agent forwarding) or be told to.
+    "missing": (None, "is missing or not a file"),
+    "a folder": ("", "is missing or not a file"),
+    "empty": ("# nothing\n", "does not set 'authenticationmethods publickey'"),
+    "includes a missing file": (
+        "Include /nonexistent/devcontainer/sshd_config\n",
+        "does not set 'authenticationmethods publickey'",
+    ),
+    "passwords back on": (
+        f"PasswordAuthentication yes\nInclude {POLICY}\n",
+        "does not set 'passwordauthentication no'",
+    ),
+    "keyboard-interactive back on": (
+        f"KbdInteractiveAuthentication yes\nInclude {POLICY}\n",
+        "does not set 'kbdinteractiveauthentication no'",
+    ),
+    "root with a key": (
+        f"PermitRootLogin prohibit-password\nInclude {POLICY}\n",
+        "does not set 'permitrootlogin no'",
+    ),
+}
+ACCEPTED_POLICIES = {
+    "the generated policy": f"StrictModes no\nInclude {POLICY}\n",
+    "changed, still key-only": f"StrictModes no\nClientAliveInterval 30\nInclude {POLICY}\n",
+}
+
+
+def write_policy(server: SshServer, name: str, text: str | None) -> Path:
+    path = server.root / f"policy-{name.replace(' ', '-')}"
+    if text == "":
+        path.mkdir()
+    elif text is not None:
+        generated = server.project / ".devcontainer" / "sshd_config"
+        path.write_text(text.replace(POLICY, str(generated)))
+    return path
+
+
+@pytest.mark.parametrize("name", REFUSED_POLICIES)
+def test_sshd_never_starts_without_its_key_only_policy(server: SshServer, keys, name):
+    text, reason = REFUSED_POLICIES[name]
+    policy = write_policy(server, name, text)
+    with stopped(server):
+        with pytest.raises(subprocess.CalledProcessError) as refused:
+            server.start(SSHD_CONFIG=str(policy), SSH_AUTHORIZED_KEYS="")
+        # One line of start-sshd's own (this machine may add cat's complaint that PID 1's
+        # environment is not readable, as at every start here).
+        own_lines = [
+            line for line in refused.value.stderr.splitlines() if line.startswith("start-sshd: ")
+        ]
+        assert len(own_lines) == 1, refused.value.stderr
+        (line,) = own_lines
+        assert str(policy) in line
+        assert reason in line
+        assert "refusing to start sshd" in line
+        assert not (server.runtime / "sshd.pid").exists()
+        assert not listening(server.port)
+    assert server.ssh(server.user, keys["host_user"], "true").returncode == 0
+
+
+@pytest.mark.parametrize("name", ACCEPTED_POLICIES)
+def test_a_key_only_policy_starts(server: SshServer, keys, name):
+    policy = write_policy(server, name, ACCEPTED_POLICIES[name])
+    with stopped(server):
+        server.start(SSHD_CONFIG=str(policy))
+        assert server.ssh(server.user, keys["host_user"], "true").returncode == 0
+
+
+def test_collected_host_keys_are_public_keys_from_inside_ssh_only(
+    server: SshServer, keys, typed_keys, tmp_path: Path
+):
+    """collect-host-ssh-keys on a hostile ~/.ssh, then sshd on what it collected.
+
+    A .pub name proves nothing: links to private keys, links out of ~/.ssh, private keys
+    saved under .pub names, pipes and devices. Nothing of a private key reaches the
+    project folder, nothing outside ~/.ssh is read, and the good keys still log in.
+    """
+    ssh_dir = tmp_path / "home" / ".ssh"
+    (ssh_dir / "keys").mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    own = {
+        "id_ed25519": keys["host_user"],
+        "id_ecdsa": typed_keys["ecdsa256"],
+        "id_rsa": typed_keys["rsa3072"],
+        "keys/laptop": typed_keys["ed25519"],
+        "weak": typed_keys["rsa1024"],
+    }
+    for name, key in own.items():
+        shutil.copy(key, ssh_dir / name)
+        shutil.copy(key.with_suffix(".pub"), ssh_dir / f"{name}.pub")
+    stranger = keys["stranger"]
+    shutil.copy(stranger, elsewhere / "stranger")
+    shutil.copy(stranger.with_suffix(".pub"), elsewhere / "stranger.pub")
+    private_text = stranger.read_text()
+    public_line = keys["env_key"].with_suffix(".pub").read_text()
+
+    hostile = {
+        "private-link.pub": lambda p: p.symlink_to("id_ed25519"),
+        "outside.pub": lambda p: p.symlink_to(elsewhere / "stranger.pub"),
+        "outside-private.pub": lambda p: p.symlink_to(elsewhere / "stranger"),
+        "device.pub": lambda p: p.symlink_to("/dev/zero"),
+        "dangling.pub": lambda p: p.symlink_to("gone.pub"),
+        "pasted.pub": lambda p: p.write_text(private_text),
+        "mixed.pub": lambda p: p.write_text(public_line + private_text),
+        "putty.pub": lambda p: p.write_text(
+            "PuTTY-User-Key-File-3: ssh-ed25519\nEncryption: none\nPublic-Lines: 2\n"
+            "AAAAC3NzaC1lZDI1NTE5AAAAIJm7\nPrivate-Lines: 1\nAAAAIGHv\n"
+        ),
+        "options.pub": lambda p: p.write_text(f'command="/bin/sh" {public_line}'),
+        "fifo.pub": os.mkfifo,
+        "folder.pub": lambda p: p.mkdir(),
+    }
+    for name, make in hostile.items():
+        make(ssh_dir / name)
+    (ssh_dir / "current.pub").symlink_to("keys/laptop.pub")  # a link inside ~/.ssh: fine
+
+    devcontainer = tmp_path / "project" / ".devcontainer"
+    shutil.copytree(server.project / ".devcontainer", devcontainer)
+    collected = subprocess.run(
+        ["sh", str(devcontainer / "collect-host-ssh-keys.sh")],
+        env={"HOME": str(ssh_dir.parent), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    folder = devcontainer / "host-ssh-keys"
+    # Each collected file is its public key, line for line, and nothing else.
+    expected = {f"{name}.pub": own[name] for name in ("id_ed25519", "id_ecdsa", "id_rsa", "weak")}
+    expected["current.pub"] = own["keys/laptop"]
+    assert sorted(p.name for p in folder.iterdir()) == sorted(expected)
+    for name, key in expected.items():
+        assert not (folder / name).is_symlink()
+        assert (folder / name).read_text() == key.with_suffix(".pub").read_text(), name
+    skipped = collected.stderr.splitlines()
+    assert len(skipped) == len(hostile), collected.stderr
+    for name in hostile:
+        (line,) = [line for line in skipped if f"/.ssh/{name}: " in line]
+        assert line.startswith("collect-host-ssh-keys: skipping ")
+    assert sum("outside" in line for line in skipped) == 3  # outside*.pub and /dev/zero
+    assert sum("holds a PRIVATE key" in line for line in skipped) == 4
+
+    with stopped(server):
+        started = server.start(SSH_AUTHORIZED_KEYS="", SSH_PUBLIC_KEYS_DIR=str(folder))
+        assert f"of {folder / 'weak.pub'}: the RSA key " in started.stderr
+        assert "4 public key(s) may log in" in started.stdout
+        for name in ("id_ed25519", "id_ecdsa", "id_rsa", "keys/laptop"):
+            session = server.ssh(server.user, ssh_dir / name, "echo", "in")
+            assert session.stdout.strip() == "in", f"{name}: {session.stderr}"
+        for refused in (stranger, ssh_dir / "weak"):
+            assert server.ssh(server.user, refused, "true").returncode == 255

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from pathlib import Path
 
 import pytest
 from conftest import TEMPLATE_DIR, copy_template
+from cookiecutter.main import cookiecutter
 
 README = (TEMPLATE_DIR / "README.md").read_text()
 CONTEXT = json.loads((TEMPLATE_DIR / "cookiecutter.json").read_text())
@@ -57,9 +59,36 @@ def test_compatibility_tables_match_the_data():
     assert drivers == TABLE["min_driver_by_cuda_major"]
 
 
+def git_clone_of_the_template(folder):
+    """A git repository of the template's files, all committed, as a user's clone is."""
+    clone = copy_template(folder)
+    identity = ["-c", "user.name=Template Tests", "-c", "user.email=tests@example.com"]
+    for command in (["init", "--quiet"], ["add", "--all"], ["commit", "--quiet", "-m", "clone"]):
+        subprocess.run(["git", *identity, *command], cwd=clone, check=True, capture_output=True)
+    return clone
+
+
+def git_status(clone):
+    return subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=all"],
+        cwd=clone, check=True, capture_output=True, text=True,
+    ).stdout  # fmt: skip
+
+
+def test_generating_with_the_defaults_leaves_the_clone_clean(tmp_path):
+    """What the README's first command makes (./dynamic-model, ./.venv) is ignored by git."""
+    clone = git_clone_of_the_template(tmp_path / "template")
+    generate, _ = two_commands()
+    assert generate.endswith("cookiecutter . --no-input")
+    project = cookiecutter(str(clone), no_input=True, output_dir=str(clone))
+    assert Path(project) == clone / "dynamic-model"
+    (clone / ".venv" / "bin").mkdir(parents=True)
+    assert git_status(clone) == ""
+
+
 @pytest.mark.slow
 def test_generate_command_works_in_a_fresh_clone(tmp_path):
-    clone = copy_template(tmp_path / "template")
+    clone = git_clone_of_the_template(tmp_path / "template")
     generate, _ = two_commands()
     result = subprocess.run(
         ["bash", "-c", generate],
@@ -72,6 +101,7 @@ def test_generate_command_works_in_a_fresh_clone(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert (clone / "dynamic-model" / "pyproject.toml").is_file()
     assert re.search(r"Created dynamic-model/", result.stdout)
+    assert git_status(clone) == ""
 
 
 def test_choice_labels_agree_with_the_table():

@@ -3,6 +3,7 @@ anywhere; answers stay data, never code."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import re
 import subprocess
@@ -19,6 +20,20 @@ from expected_files import resolve_answers
 
 PYTHON_PAYLOAD = "'); import os; os.system('touch PWNED'); ('"
 JINJA_PAYLOAD = "{{ 7*7 }}"
+RESERVED = json.loads((TEMPLATE_DIR / "cookiecutter.json").read_text())["_reserved_names"]
+
+# Names of distributions the project installs, as pip compares them (PEP 503): pip takes
+# a project so named for that distribution, finds the wrong version and goes looking
+# for other versions of what needs it (torch: several GB each).
+COLLIDING_PROJECTS = [
+    "typing-extensions", "Typing.Extensions", "typing_extensions", "filelock", "sympy",
+    "Jinja2", "networkx", "fsspec", "setuptools", "mpmath", "MarkupSafe", "triton",
+    "nvidia-cublas-cu12", "nvidia-cudnn-cu13", "NVIDIA_NCCL_cu12", "nvidia-nvshmem-cu13",
+    "cuda-toolkit", "cuda-bindings", "cuda.pathfinder",
+    "packaging", "pytest-xdist", "pre-commit", "tensorboard-data-server", "attrs", "pyzmq",
+]  # fmt: skip
+# Import names of those distributions that differ from the distribution's name.
+COLLIDING_PACKAGES = ["google", "dateutil", "fonttools", "nvidia", "cuda", "zmq", "isympy"]
 
 BAD_ANSWERS = [
     ("project", "my model"),
@@ -65,6 +80,8 @@ BAD_ANSWERS = [
     ("jupyter_port", "2222"),  # the default ssh_port, with Jupyter on
     ("cuda_version", "12.8"),  # torch 2.13.0 has no 12.8 build
     ("cuda_version", "12.9"),
+    *[("project", name) for name in COLLIDING_PROJECTS],
+    *[("package", name) for name in COLLIDING_PACKAGES],
 ]
 
 GOOD_ANSWERS = [
@@ -85,6 +102,11 @@ GOOD_ANSWERS = [
     {"ssh_port": "1024", "jupyter_port": "65535"},
     {"jupyter": False, "jupyter_port": "2222"},
     {"torch_version": "2.8.0", "cuda_version": "12.9"},
+    # Near the names of what the project installs, without being one.
+    {"project": "cuda-kernels"},
+    {"project": "sympy-models"},
+    {"project": "nvidia2"},
+    {"project": "attrs-net", "package": "attrs_net"},
 ]
 
 
@@ -176,6 +198,117 @@ def test_existing_project_folder_survives_a_bad_answer(output_dir):
         )  # fmt: skip
     assert entries(output_dir) == ["dynamic-model", "dynamic-model/train_log.txt", "keep.txt"]
     assert (project / "train_log.txt").read_text() == "three days of training\n"
+
+
+@pytest.mark.parametrize(
+    ("project", "clash"),
+    [
+        (
+            "Typing.Extensions",
+            "('typing-extensions', as pip reads the name, is one torch needs: pip would take the "
+            "project for it and download other torch versions, several GB each, looking for one "
+            "that fits)",
+        ),
+        (
+            "packaging",
+            "('packaging', as pip reads the name, is one the dev, train or notebook extra "
+            "installs: pip would take the project for it and fail, or download older versions "
+            "of what needs it)",
+        ),
+    ],
+)
+def test_project_named_like_what_it_installs_is_refused_saying_why(output_dir, project, clash):
+    assert refusal(output_dir, project=project) == [
+        f"error: project = {project!r} is not allowed: expected a project name other than those "
+        f"of the distributions the project installs {clash}"
+    ]
+    assert entries(output_dir) == ["keep.txt"]
+
+
+# Where the project may be installed: the images' Linux, and a user's own machine.
+PLATFORMS = [
+    ("linux", "Linux", "x86_64"),
+    ("linux", "Linux", "aarch64"),
+    ("darwin", "Darwin", "arm64"),
+    ("win32", "Windows", "AMD64"),
+]
+MARKER_ENVIRONMENTS = [
+    {
+        "sys_platform": platform, "platform_system": system, "platform_machine": machine,
+        "os_name": "nt" if platform == "win32" else "posix", "python_version": python,
+        "python_full_version": f"{python}.0", "implementation_name": "cpython",
+        "platform_python_implementation": "CPython",
+    }
+    for platform, system, machine in PLATFORMS
+    for python in ("3.10", "3.11", "3.12", "3.13")
+]  # fmt: skip
+
+
+def requirement_closure(roots: list[str]) -> set[str]:
+    """Normalized names of ``roots`` and of everything they require, as installed here,
+    with the requirements of every platform and Python above; a requirement that is not
+    installed here (another platform's) is named, not followed."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    names, seen, queue = set(), set(), [Requirement(root) for root in roots]
+    while queue:
+        requirement = queue.pop()
+        key = (canonicalize_name(requirement.name), frozenset(requirement.extras))
+        if key in seen:
+            continue
+        seen.add(key)
+        names.add(key[0])
+        try:
+            required = importlib.metadata.requires(requirement.name) or []
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        for text in required:
+            needed = Requirement(text)
+            if needed.marker is None or any(
+                needed.marker.evaluate({**environment, "extra": extra})
+                for environment in MARKER_ENVIRONMENTS
+                for extra in requirement.extras or {""}
+            ):
+                queue.append(needed)
+    return names
+
+
+def top_level_modules(distributions: set[str]) -> set[str]:
+    from packaging.utils import canonicalize_name
+
+    return {
+        module.lower()
+        for module, owners in importlib.metadata.packages_distributions().items()
+        if any(canonicalize_name(owner) in distributions for owner in owners)
+    }
+
+
+def test_reserved_names_hold_what_the_project_installs(default_project: Path):
+    """cookiecutter.json's ``_reserved_names`` against the metadata installed here: torch's
+    requirements and the generated project's extras, followed to the end.
+
+    torch's CUDA builds also need triton, cuda-toolkit, cuda-bindings, cuda-pathfinder and
+    nvidia-* libraries: those names come from the metadata of PyPI's Linux wheels of each
+    torch in the compatibility table; the CPU build installed here does not list them.
+    """
+    torch = requirement_closure(["torch"]) - {"torch"}
+    extras = tomllib.loads((default_project / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"
+    ]
+    assert set(extras) == {"dev", "train", "notebook"}
+    roots = [r for group in extras.values() for r in group if not r.startswith("dynamic-model[")]
+    installed = requirement_closure(roots) | torch
+    reserved = {
+        "torch": sorted(torch - set(RESERVED["torch"])),
+        "extras": sorted(installed - torch - set(RESERVED["torch"]) - set(RESERVED["extras"])),
+        "modules": sorted(
+            top_level_modules(installed | {"torch"}) - {m.lower() for m in RESERVED["modules"]}
+        ),
+    }
+    assert reserved == {"torch": [], "extras": [], "modules": []}, (
+        "add these names to cookiecutter.json's _reserved_names"
+    )
 
 
 def run_interactive(output_dir: Path, answers: list[str]) -> subprocess.CompletedProcess[str]:

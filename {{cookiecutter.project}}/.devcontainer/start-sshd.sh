@@ -37,6 +37,10 @@ getent passwd "$user" >/dev/null || fail "DEV_USER=$user is not a user of this c
 [[ $port =~ ^[0-9]{1,5}$ ]] && [ "$port" -ge 1 ] && [ "$port" -le 65535 ] ||
     fail "PROJECT_SSH_PORT=$port is not a TCP port number (1-65535)"
 [ -x "$sshd" ] || fail "no sshd found: install openssh-server"
+# sshd ignores an Include that matches no file and would run on the distribution's
+# defaults (password logins, agent forwarding): no policy, no start.
+[ -f "$policy" ] || fail "the SSH policy $policy (SSHD_CONFIG) is missing or not a file;" \
+    "refusing to start sshd without it, on the distribution's defaults (password logins)"
 
 # Privilege separation directory: sshd refuses to start without it.
 install -d -m 0755 /run/sshd
@@ -56,10 +60,13 @@ done
 
 # The sources are user-supplied text. Only plain public key lines, "type base64
 # [comment]", that ssh-keygen reads as keys are authorized: lines with options
-# (command=, from=, environment=, cert-authority, ...) and certificates are refused.
-# Refused lines are reported by number, never echoed (they may be a private key
-# pasted by mistake, which gets a warning of its own).
+# (command=, from=, environment=, cert-authority, ...) and certificates are refused,
+# and so are RSA keys under min_rsa_bits (OpenSSH still accepts 1024). Refused lines
+# are reported by number, never echoed (they may be a private key pasted by
+# mistake, which gets a warning of its own); a short RSA key by its fingerprint.
 authorized=$runtime/authorized_keys/$user
+# NIST SP 800-131A: RSA below 2048 bits is disallowed for authentication.
+min_rsa_bits=2048
 key_types='ssh-ed25519|ssh-rsa|ecdsa-sha2-nistp256|ecdsa-sha2-nistp384|ecdsa-sha2-nistp521|sk-ssh-ed25519@openssh\.com|sk-ecdsa-sha2-nistp256@openssh\.com'
 plain_key="^($key_types) [A-Za-z0-9+/]+={0,3}( [^[:cntrl:]]*)?$"
 add_keys() { # SOURCE-NAME < lines
@@ -75,8 +82,16 @@ add_keys() { # SOURCE-NAME < lines
         if [[ $line == *"-----BEGIN "*"PRIVATE KEY-----"* ]]; then
             private=1
             private_key_warning "$1" "$number"
-        elif [[ $line =~ $plain_key ]] && ssh-keygen -l -f - <<<"$line" >/dev/null 2>&1; then
-            printf '%s\n' "$line" >>"$authorized.new"
+        elif [[ $line =~ $plain_key ]] && fingerprint=$(ssh-keygen -l -f - <<<"$line" 2>/dev/null); then
+            # "BITS SHA256:... COMMENT (TYPE)"
+            bits=${fingerprint%% *}
+            if [[ $fingerprint == *" (RSA)" ]] && ((bits < min_rsa_bits)); then
+                fingerprint=${fingerprint#* }
+                echo "start-sshd: ignoring line $number of $1: the RSA key ${fingerprint% (RSA)} has" \
+                    "$bits bits; RSA keys need at least $min_rsa_bits (make a new key: ssh-keygen -t ed25519)" >&2
+            else
+                printf '%s\n' "$line" >>"$authorized.new"
+            fi
         elif [[ $line =~ -cert-v01@openssh\.com[[:space:]] ]]; then
             echo "start-sshd: ignoring line $number of $1: a certificate; give the plain public key" >&2
         elif [[ $line =~ [[:space:]]($key_types)[[:space:]] ]]; then
@@ -151,12 +166,23 @@ config=$runtime/sshd_config
     echo "AllowUsers $user"
     printf 'HostKey %s\n' "${host_keys[@]}"
     echo "AuthorizedKeysFile $authorized .ssh/authorized_keys"
+    # The same minimum for ~/.ssh/authorized_keys, which sshd reads itself (OpenSSH 9.1
+    # and newer; older servers refuse the keyword).
+    if "$sshd" -t -f /dev/null -h "${host_keys[0]}" -o RequiredRSASize=$min_rsa_bits 2>/dev/null; then
+        echo "RequiredRSASize $min_rsa_bits"
+    fi
     echo "PidFile $runtime/sshd.pid"
     [ -z "${set_env[*]:-}" ] || echo "SetEnv ${set_env[*]}"
     echo "Include $policy"
 } >"$config"
 chmod 0600 "$config"
-"$sshd" -t -f "$config" || fail "sshd rejected its configuration $config (see above)"
+effective=$("$sshd" -T -f "$config") || fail "sshd rejected its configuration $config (see above)"
+# What the policy must keep in force, whatever else it changes: logins with keys only.
+for setting in "authenticationmethods publickey" "passwordauthentication no" \
+    "kbdinteractiveauthentication no" "permitrootlogin no"; do
+    grep -qxF "$setting" <<<"$effective" || fail "the SSH policy $policy does not set" \
+        "'$setting' (sshd -T -f $config); refusing to start sshd with logins other than by key"
+done
 
 pid=$(cat "$runtime/sshd.pid" 2>/dev/null) || pid=
 if [ -n "$pid" ] && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = sshd ]; then

@@ -1,5 +1,5 @@
-"""The project's commands, run as a user runs them: ``python -m {{ cookiecutter.package }}.doctor``
-and ``python -m {{ cookiecutter.package }}.train`` in a fresh process.
+"""The project's commands, run as a user runs them: ``python -m {{ cookiecutter.package }}.doctor``,
+``python -m {{ cookiecutter.package }}.train`` and ``python -m {{ cookiecutter.package }}.launch`` in a fresh process.
 
 The GPU tests run with ``pytest --gpu``; each subprocess inherits this test process's
 ``CUDA_VISIBLE_DEVICES``, so under ``-n auto`` it uses this worker's GPU.
@@ -64,6 +64,22 @@ def test_train_rejects_a_bad_flag():
     assert result.returncode == 2
     assert result.stderr.splitlines()[-1].endswith(
         "error: argument --epochs: must be a positive integer, got '0'"
+    )
+
+
+def test_launch_writes_a_slurm_batch_script(tmp_path):
+    """``launch slurm --dry-run`` prints the job script (a cluster is not needed for it)."""
+    result = run("launch", "slurm", "--dry-run", "--nodes", "2", "--gpus-per-node", "0",
+                 "--", "--epochs", "2")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "#SBATCH --requeue" in result.stdout
+    script = tmp_path / "job.sbatch"
+    script.write_text(result.stdout)
+    assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
+    wrong = run("launch", "slurm", "--dry-run", "--", "--epochs", "0")
+    assert wrong.returncode == 2
+    assert wrong.stderr.splitlines()[-1].endswith(
+        "error: train arguments (after --): argument --epochs: must be a positive integer, got '0'"
     )
 
 

@@ -326,18 +326,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason=HOW_TO_RUN_GPU_TESTS)
     gpu_enabled = _session(config).gpu_enabled
     for item in items:
-        if _is_gpu_test(item):
-            _gpus_needed(item)  # a wrong count is reported with or without --gpu
-            if not gpu_enabled:
-                item.add_marker(skip)
+        # A test with a wrong count is not skipped: it fails, with or without --gpu.
+        if _is_gpu_test(item) and not gpu_enabled and _gpu_marker_problem(item) is None:
+            item.add_marker(skip)
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
     session = _session(item.config)
     item.stash[_TEST] = _Test()
-    if session.gpu_enabled and _is_gpu_test(item):
-        _check_gpus_for(item, session)
+    if _is_gpu_test(item):
+        problem = _gpu_marker_problem(item)
+        if problem is not None:
+            pytest.fail(problem, pytrace=False)
+        if session.gpu_enabled:
+            _check_gpus_for(item, session)
     session.fixtures_of = item
     try:
         return (yield)
@@ -590,13 +593,23 @@ def _is_gpu_test(item: pytest.Item) -> bool:
     )
 
 
-def _gpus_needed(item: pytest.Item) -> int:
+def _gpu_count(item: pytest.Item) -> object:
     marker = item.get_closest_marker(GPU_MARKER)
-    count = marker.kwargs.get("count", 1) if marker is not None else 1
+    return marker.kwargs.get("count", 1) if marker is not None else 1
+
+
+def _gpu_marker_problem(item: pytest.Item) -> str | None:
+    """Why the test's ``gpu`` marker is wrong, or None."""
+    count = _gpu_count(item)
     if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-        raise pytest.UsageError(
-            f"{item.nodeid}: @pytest.mark.gpu(count={count!r}): count must be a whole number >= 1"
-        )
+        return f"@pytest.mark.gpu(count={count!r}): count must be a whole number >= 1"
+    return None
+
+
+def _gpus_needed(item: pytest.Item) -> int:
+    """The GPUs the test needs (its marker checked at setup)."""
+    count = _gpu_count(item)
+    assert isinstance(count, int)
     return count
 
 

@@ -44,10 +44,20 @@ def named_leaves(value: Any, name: str) -> list[tuple[str, Any]]:
     return found
 
 
+def _plain(value: Any) -> bool:
+    return value is None or isinstance(value, torch.Tensor | bool | int | float | complex | str)
+
+
 def map_tensors(function: Callable[[torch.Tensor], Any], value: Any) -> Any:
     """``value`` with every tensor in it replaced by ``function(tensor)``, same structure."""
     if isinstance(value, torch.Tensor):
         return function(value)
+    # Inputs are mostly a flat tuple and dict, mapped on every run of a check: without
+    # pytree's flatten and unflatten, which cost more than a small model's forward.
+    if type(value) is tuple and all(map(_plain, value)):
+        return tuple(function(v) if isinstance(v, torch.Tensor) else v for v in value)
+    if type(value) is dict and all(map(_plain, value.values())):
+        return {k: function(v) if isinstance(v, torch.Tensor) else v for k, v in value.items()}
 
     def leaf(item: Any) -> Any:
         if isinstance(item, torch.Tensor):

@@ -1,0 +1,326 @@
+"""``<project>-launch slurm`` without a cluster: the script it writes, and what it refuses.
+
+The script is checked as text, with ``bash -n`` and shellcheck; the real SLURM cluster
+in `test_slurm` runs it. Bad command lines are checked in-process through ``main()``:
+one ``error:`` line naming the option, the value and what is allowed, exit status 2,
+nothing written.
+"""
+
+from __future__ import annotations
+
+import importlib
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import DEFAULT_PACKAGE
+
+LAUNCH = f"{DEFAULT_PACKAGE}.launch"
+PROG = f"python -m {LAUNCH} slurm"
+SHELLCHECK = Path(sys.executable).parent / "shellcheck"
+
+
+@pytest.fixture
+def launch(default_project: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
+    """The launch module, imported from the default project, run from an empty folder."""
+    monkeypatch.syspath_prepend(str(default_project / "src"))
+    monkeypatch.chdir(tmp_path)
+    return importlib.import_module(LAUNCH)
+
+
+def dry_run(launch, capsys, *argv: str) -> str:
+    assert launch.main(["slurm", "--dry-run", *argv]) == 0
+    return capsys.readouterr().out
+
+
+def assert_valid_bash(script: str, tmp_path: Path) -> None:
+    path = tmp_path / "job.sbatch"
+    path.write_text(script)
+    subprocess.run(["bash", "-n", str(path)], check=True)
+    if SHELLCHECK.exists():
+        # Warnings and errors: "expressions don't expand in single quotes" is what quoting
+        # data is for.
+        checked = subprocess.run(
+            [str(SHELLCHECK), "--severity=warning", str(path)], capture_output=True, text=True
+        )
+        assert checked.returncode == 0, checked.stdout
+    path.unlink()
+
+
+def test_gpu_job_script(launch, capsys, tmp_path: Path) -> None:
+    script = dry_run(
+        launch, capsys,
+        "--nodes", "2", "--gpus-per-node", "4", "--cpus-per-task", "32", "--time", "1-00:00:00",
+        "--partition", "gpu", "--account", "proj", "--sbatch=--qos=high",
+        "--", "--epochs", "100", "--checkpoint-every", "500",
+    )  # fmt: skip
+    lines = script.splitlines()
+    assert lines[0] == "#!/bin/bash"
+    assert [line for line in lines if line.startswith("#SBATCH")] == [
+        f"#SBATCH --job-name={DEFAULT_PACKAGE}",
+        "#SBATCH --nodes=2",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --gpus-per-node=4",
+        "#SBATCH --cpus-per-task=32",
+        "#SBATCH --time=1-00:00:00",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=proj",
+        "#SBATCH --qos=high",
+        "#SBATCH --requeue",
+        "#SBATCH --signal=B:USR1@120",
+        f"#SBATCH --output={tmp_path}/runs/slurm-%j/slurm-%j.out",
+        "#SBATCH --open-mode=append",
+    ]
+    assert f"cd {tmp_path}" in lines
+    assert f'run_dir={tmp_path}/runs/slurm-"$SLURM_JOB_ID"' in lines
+    assert "export OMP_NUM_THREADS=8  # --cpus-per-task 32 shared by 4 process(es)" in lines
+    command = script.split("\nsrun ", 1)[1].split(" &\n", 1)[0].replace("\\\n", " ").split()
+    assert command == [
+        "--ntasks-per-node=1", "--kill-on-bad-exit=1", "--gpus-per-node=4", "--cpus-per-task=32",
+        sys.executable, "-m", "torch.distributed.run",
+        '--nnodes="$SLURM_JOB_NUM_NODES"', "--nproc-per-node=4",
+        "--rdzv-backend=c10d", '--rdzv-endpoint="$head_address:$port"', '--rdzv-id="$SLURM_JOB_ID"',
+        "-m", f"{DEFAULT_PACKAGE}.train", "--device", "cuda", "--run-dir", '"$run_dir"',
+        '${resume:+"$resume"}', "--epochs", "100", "--checkpoint-every", "500",
+    ]  # fmt: skip
+    assert "--nv" not in script  # no container asked for
+    assert_valid_bash(script, tmp_path)
+    assert list(tmp_path.iterdir()) == []  # a dry run writes nothing
+
+
+def test_cpu_job_and_fixed_run_folder(launch, capsys, tmp_path: Path) -> None:
+    script = dry_run(
+        launch, capsys, "--gpus-per-node", "0", "--nproc-per-node", "3", "--run-dir", "runs/a"
+    )
+    assert "#SBATCH --gpus-per-node" not in script
+    assert f"#SBATCH --output={tmp_path}/runs/a/slurm-%j.out" in script
+    assert f"\nrun_dir={tmp_path}/runs/a\n" in script
+    assert "--nproc-per-node=3" in script
+    assert "--device cpu" in script
+    assert "OMP_NUM_THREADS" not in script  # torchrun sets 1 per process itself
+    assert_valid_bash(script, tmp_path)
+
+
+HOSTILE = "a b $(touch PWNED) `touch PWNED` 'q' \"d\" #c %j 100% ;x"
+
+
+def test_hostile_values_are_quoted(launch, capsys, tmp_path: Path) -> None:
+    """Shell and sbatch syntax in paths, an image name and an extra sbatch option stays
+    text: quoted for bash, quoted and escaped for sbatch's ``#SBATCH`` parser (which
+    takes a backslash as an escape, quotes as grouping and ``#`` as a comment)."""
+    image = tmp_path / f"{HOSTILE}.sif"
+    image.write_text("")
+    script = dry_run(
+        launch, capsys,
+        "--gpus-per-node", "1", "--run-dir", HOSTILE, "--apptainer", str(image),
+        f"--sbatch=--comment={HOSTILE}",
+    )  # fmt: skip
+    quoted = HOSTILE.replace('"', '\\"')
+    assert f'#SBATCH --comment="{quoted}"' in script
+    output = f"{tmp_path}/{HOSTILE}".replace("%", "%%").replace('"', '\\"')
+    assert f'#SBATCH --output="{output}/slurm-%j.out"' in script
+    assert "run_dir='" in script
+    assert "exec --nv --bind" in script
+    assert_valid_bash(script, tmp_path)
+    # Run what bash makes of the script's quoted words: each is one argument, unchanged.
+    quoted_run_dir = script.split("\nrun_dir=", 1)[1].split("\n", 1)[0]
+    words = subprocess.run(
+        ["bash", "-c", f'printf "%s\\n" {quoted_run_dir}'],
+        capture_output=True, text=True, check=True, cwd=tmp_path,
+    ).stdout  # fmt: skip
+    assert words == f"{tmp_path}/{HOSTILE}\n"
+    assert not list(tmp_path.rglob("PWNED"))
+
+
+def test_containers(launch, capsys, tmp_path: Path) -> None:
+    image = tmp_path / "dev.sif"
+    image.write_text("")
+    src = Path(launch.__file__).resolve().parent.parent
+    apptainer = dry_run(launch, capsys, "--gpus-per-node", "2", "--apptainer", "dev.sif")
+    assert f"export PYTHONPATH={src}" in apptainer
+    assert f"binds={src},{tmp_path}" in apptainer
+    assert f'"$runtime" exec --nv --bind "$binds" {image} python3 -m torch.distributed.run' in (
+        apptainer
+    )
+    assert_valid_bash(apptainer, tmp_path)
+    pyxis = dry_run(launch, capsys, "--gpus-per-node", "0", "--container-image", "nvcr.io#me/dev:1")
+    assert "--container-image='nvcr.io#me/dev:1'" in pyxis
+    assert f"--container-mounts={src}:{src},{tmp_path}:{tmp_path}" in pyxis
+    assert "--no-container-entrypoint" in pyxis
+    (tmp_path / "dev.sqsh").write_text("")  # a file: given to pyxis as a path
+    squashfs = dry_run(launch, capsys, "--gpus-per-node", "0", "--container-image", "dev.sqsh")
+    assert f"--container-image={tmp_path}/dev.sqsh " in squashfs
+    assert "\n    python3 -m torch.distributed.run" in pyxis
+    assert "--nv" not in pyxis
+    assert_valid_bash(pyxis, tmp_path)
+
+
+def usage_error(launch, capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        launch.main(["slurm", *argv])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith(f"usage: {PROG} ")
+    assert lines[-1].startswith(f"{PROG}: error: ")
+    return lines[-1].removeprefix(f"{PROG}: error: ")
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nodes", "0"], "argument --nodes: must be a positive integer, got '0'"),
+        (["--gpus-per-node", "-1"], "argument --gpus-per-node: must be an integer >= 0, got '-1'"),
+        (
+            ["--time", "25h"],
+            "argument --time: must be a time limit as SLURM writes it (MINUTES, "
+            "HOURS:MINUTES:SECONDS, DAYS-HOURS[:MINUTES[:SECONDS]]...) above 0, got '25h'",
+        ),
+        (
+            ["--time", "0"],
+            "argument --time: must be a time limit as SLURM writes it (MINUTES, "
+            "HOURS:MINUTES:SECONDS, DAYS-HOURS[:MINUTES[:SECONDS]]...) above 0, got '0'",
+        ),
+        (
+            ["--partition", "gpu;rm"],
+            "argument --partition: must be a partition name or a comma-separated list of them, "
+            "got 'gpu;rm'",
+        ),
+        (
+            ["--account", "a b"],
+            "argument --account: must be a SLURM name (letters, digits, and _ . + - after the "
+            "first), got 'a b'",
+        ),
+        (
+            ["--requeue-before", "0"],
+            "argument --requeue-before: must be a number of seconds from 1 to 65535, got '0'",
+        ),
+        (
+            ["--time", "5", "--requeue-before", "300"],
+            "argument --requeue-before: 300 s is not less than --time 5 (300 s)",
+        ),
+        (
+            ["--gpus-per-node", "2", "--nproc-per-node", "3"],
+            "argument --nproc-per-node: with --gpus-per-node 2 each node runs one process per "
+            "GPU (2); --nproc-per-node is for CPU jobs (--gpus-per-node 0)",
+        ),
+        (
+            ["--sbatch=--qos=a\nsrun evil"],
+            "argument --sbatch: must be one long sbatch option, as --name or --name=value on one "
+            "line, got '--qos=a\\nsrun evil'",
+        ),
+        (
+            ["--run-dir", "a\nb"],
+            "argument --run-dir: must be a non-empty path without control characters or "
+            "backslashes, got 'a\\nb'",
+        ),
+        (["--apptainer", "missing.sif"], "argument --apptainer: {cwd}/missing.sif does not exist"),
+        (
+            ["--apptainer", "docker://a", "--container-image", "b"],
+            "argument --container-image: not allowed with argument --apptainer",
+        ),
+        (
+            ["--epochs", "5"],
+            f"unrecognized arguments: --epochs 5 (train's arguments go after --: {PROG} "
+            "--nodes 2 -- --epochs 10)",
+        ),
+        (
+            ["--", "--epochs", "0"],
+            "train arguments (after --): argument --epochs: must be a positive integer, got '0'",
+        ),
+        (["--", "--bogus"], "train arguments (after --): unrecognized arguments: --bogus"),
+        (
+            ["--", "--run-dir", "x"],
+            "train arguments (after --): --run-dir: the run folder is launch slurm's --run-dir "
+            "(give it before --)",
+        ),
+        (
+            ["--", "--res"],
+            "train arguments (after --): --resume: the job script adds it when the run folder "
+            "holds a checkpoint",
+        ),
+        (
+            ["--", "--device", "auto"],
+            "train arguments (after --): --device: the job script sets it: cuda with "
+            "--gpus-per-node, cpu with 0",
+        ),
+    ],
+)
+def test_bad_values(launch, capsys, tmp_path: Path, argv, message) -> None:
+    assert usage_error(launch, capsys, *argv) == message.format(cwd=tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_container_mounts_cannot_hold_separators(
+    launch, capsys, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    folder = tmp_path / "a,b"
+    folder.mkdir()
+    monkeypatch.chdir(folder)
+    (folder / "dev.sif").write_text("")
+    assert usage_error(launch, capsys, "--dry-run", "--apptainer", "dev.sif") == (
+        f"argument --apptainer: {folder} must be mounted into the container, and a path with "
+        "',' or ':' cannot be (they separate mounts)"
+    )
+
+
+def test_without_sbatch(launch, capsys, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    assert launch.main(["slurm", "--gpus-per-node", "0"]) == 1
+    assert capsys.readouterr().err == (
+        f"{PROG}: error: sbatch is not on PATH: submit from a machine with the SLURM client (a "
+        "login node), or add --dry-run to print the script\n"
+    )
+    assert list(tmp_path.iterdir()) == []
+    assert launch.main(["slurm", "--gpus-per-node", "0", "--dry-run"]) == 0  # needs no SLURM
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("90", 5400),
+        ("1:30", 90),
+        ("2:00:05", 7205),
+        ("2-0", 172800),
+        ("1-2:3", 93780),
+        ("1-2:3:4", 93784),
+    ],
+)
+def test_time_limits(launch, text: str, seconds: int) -> None:
+    assert launch.time_seconds(text) == seconds
+
+
+def test_shared_filesystem_check(launch) -> None:
+    here = socket.gethostname()
+    assert launch.filesystem_type(Path("/dev/shm/not/there")) == "tmpfs"
+    assert launch.filesystem_type(Path("/proc/self")) == "proc"
+    run = Path("/scratch/run")
+    assert launch.unshared_run_folder(run, "nfs4", {"node1", "node2"}) is None
+    assert launch.unshared_run_folder(run, "lustre", None) is None
+    assert launch.unshared_run_folder(run, "ext4", {here}) is None  # the cluster is this machine
+    assert launch.unshared_run_folder(run, "ext4", {here, "node2"}) == (
+        f"{run} is on a filesystem local to this machine (ext4 on {here}), which nodes on node2 "
+        "cannot reach; choose a folder on a shared filesystem (home, project or scratch space: "
+        "NFS, Lustre, GPFS, BeeGFS...)"
+    )
+    assert "which the nodes cannot reach" in launch.unshared_run_folder(run, "tmpfs", None)
+
+
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_requeue_trap_keeps_waiting_for_the_training(launch, capsys, tmp_path: Path) -> None:
+    """The script's wait loop: a trapped signal interrupts ``wait``, which must not end the
+    script while the training still runs (it is writing its checkpoint)."""
+    script = dry_run(launch, capsys, "--gpus-per-node", "0")
+    wait_loop = script.split("training=$!\n", 1)[1]
+    probe = tmp_path / "probe.sh"
+    probe.write_text(
+        "trap 'echo trapped' USR1\n"
+        "(sleep 1; exit 7) &\n"
+        "training=$!\n"
+        "(sleep 0.2; kill -USR1 $$) &\n" + wait_loop
+    )
+    result = subprocess.run(["bash", str(probe)], capture_output=True, text=True, timeout=30)
+    assert result.stdout == "trapped\n"
+    assert result.returncode == 7  # the training's status, after the trap

@@ -1,0 +1,690 @@
+"""Run ``train`` on a SLURM cluster: one ``torchrun`` per node, requeued when preempted.
+
+    <project>-launch slurm --nodes 2 --gpus-per-node 4 --time 24:00:00 -- --epochs 100
+    <project>-launch slurm --nodes 2 --gpus-per-node 4 --dry-run -- --epochs 100
+    <project>-launch slurm --run-dir runs/slurm-1234 --time 24:00:00   # a new job for that run
+
+``slurm`` writes a batch script and submits it with ``sbatch``; ``--dry-run`` prints
+the script and writes and submits nothing. Everything after ``--`` goes to ``train``
+(checked by train's own parser first). The job's run folder is
+``runs/slurm-<job id>`` (or ``--run-dir``): the script, ``slurm-<job id>.out`` (the
+log of every attempt of the job, appended), ``metrics.csv`` and ``latest.pt``.
+
+In the job, ``srun`` starts one ``torchrun`` per node; the ``torchrun`` agents meet
+(c10d rendezvous) on the first node of ``scontrol show hostnames``, each starts one
+training process per GPU, and rank 0 of the whole job writes the run folder, which
+must be on a filesystem every node reaches. An attempt resumes with ``--resume``
+whenever the run folder holds a checkpoint.
+
+How a job stops and comes back (checked on SLURM 22.05 and torch's ``torchrun``):
+
+- Preemption, ``scontrol requeue``, ``scancel``, the time limit: slurmd sends SIGCONT
+  and SIGTERM to every process of the job (the batch shell, ``srun``, each
+  ``torchrun`` and each training process, so a training process may see SIGTERM
+  more than once within milliseconds), then SIGKILL ``KillWait`` seconds later
+  (``scontrol show config``; 30 s by default). ``torchrun`` forwards SIGTERM, SIGINT,
+  SIGHUP and SIGQUIT to its processes and kills them 30 s later.
+- ``--requeue``: a preempted job (``PreemptMode=REQUEUE``) or one on a failed node
+  goes back to the queue under the same job id, so it finds the same run folder.
+  SLURM holds a requeued job back for ``cred_expire`` + 1 seconds (121 s by default).
+- ``--signal=B:USR1@SECONDS``: that long before the time limit SLURM sends SIGUSR1
+  to the batch shell alone, whose trap runs ``scontrol requeue``: the job then stops
+  the way a preempted one does and comes back. SIGUSR1 is not sent to the job's
+  processes (no ``B:``) because ``torchrun`` does not forward it by default: it dies
+  of it, and ``srun`` then kills its training processes at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import os
+import re
+import shlex
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+from . import _checkpoint
+from ._command import command_name
+from .train import UsageError, non_negative_int, positive_int
+from .train import build_parser as build_train_parser
+
+__all__ = ["Container", "Runtime", "SlurmJob", "Submitted", "main", "render_script", "submit"]
+
+PACKAGE = __package__
+# The folder holding this package (a project's src): containers get it on PYTHONPATH.
+PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+SCRIPT_SUFFIX = ".sbatch"
+# The rendezvous port is derived from the job id, so that jobs sharing a first node
+# use different ports; 20000-29999 stays below Linux's ephemeral ports (32768 and up).
+RDZV_PORT_BASE, RDZV_PORT_SPAN = 20000, 10000
+# sbatch's --signal takes 0 to 65535 seconds, and SLURM may signal up to 60 s early.
+MAX_SIGNAL_SECONDS = 65535
+# Filesystems that only the machine mounting them sees. Types not listed (nfs, lustre,
+# gpfs, beegfs, ceph, cifs, ...) are taken to be shared.
+LOCAL_FILESYSTEMS = frozenset(
+    {"btrfs", "exfat", "ext2", "ext3", "ext4", "f2fs", "overlay", "ramfs", "tmpfs", "vfat", "xfs",
+     "zfs"}
+)  # fmt: skip
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
+# SLURM's time formats: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
+# days-hours:minutes, days-hours:minutes:seconds.
+TIME = re.compile(r"(?:(\d+)-(\d+)(?::(\d+)(?::(\d+))?)?|(\d+)(?::(\d+)(?::(\d+))?)?)")
+# train's settings that the job script makes (train's option, why); the other train
+# arguments after -- go to train unchanged.
+SCRIPT_SETS = {
+    "run_dir": ("--run-dir", "the run folder is launch slurm's --run-dir (give it before --)"),
+    "resume": ("--resume", "the job script adds it when the run folder holds a checkpoint"),
+    "device": ("--device", "the job script sets it: cuda with --gpus-per-node, cpu with 0"),
+}
+
+
+class Runtime(enum.Enum):
+    """How the nodes run the dev container's image; the value is launch's option."""
+
+    APPTAINER = "--apptainer"  # apptainer (or singularity) exec --nv IMAGE ...
+    PYXIS = "--container-image"  # srun --container-image=IMAGE ... (pyxis and enroot)
+
+
+@dataclass(frozen=True)
+class Container:
+    runtime: Runtime
+    image: str
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """Everything the batch script says; paths are absolute."""
+
+    nodes: int
+    gpus_per_node: int
+    nproc_per_node: int
+    workdir: Path
+    python: str  # the interpreter on the nodes (without a container)
+    requeue_before: int = 120
+    cpus_per_task: int | None = None
+    time: str | None = None
+    partition: str | None = None
+    account: str | None = None
+    job_name: str = PACKAGE
+    run_dir: Path | None = None  # None: workdir/runs/slurm-<job id>
+    container: Container | None = None
+    sbatch_options: tuple[str, ...] = ()
+    train_args: tuple[str, ...] = ()
+
+    @property
+    def runs(self) -> Path:
+        """The folder that holds the run folder."""
+        return self.workdir / "runs" if self.run_dir is None else self.run_dir.parent
+
+    def run_dir_of(self, job_id: int) -> Path:
+        return self.runs / f"slurm-{job_id}" if self.run_dir is None else self.run_dir
+
+
+@dataclass(frozen=True)
+class Submitted:
+    job_id: int
+    run_dir: Path
+    script: Path
+
+    @property
+    def log(self) -> Path:
+        return self.run_dir / f"slurm-{self.job_id}.out"
+
+    def __str__(self) -> str:
+        return (
+            f"submitted job {self.job_id}; run folder {self.run_dir}\n"
+            f"  script {self.script}\n"
+            f"  log    {self.log}\n"
+            f"follow it with: tail -f {shlex.quote(str(self.log))}   (squeue -j {self.job_id}; "
+            f"scancel {self.job_id} stops it)"
+        )
+
+
+class SubmitError(Exception):
+    """The cluster refused or could not take the job; nothing is left queued."""
+
+
+def sbatch_line(option: str) -> str:
+    """``--name=value`` as an ``#SBATCH`` line. sbatch splits those lines at whitespace
+    outside quotes, takes a backslash as escaping the next character and an unquoted
+    ``#`` as starting a comment: a value with anything but plain characters is quoted."""
+    name, equals, value = option.partition("=")
+    if equals and not re.fullmatch(r"[\w./%:,@+=-]*", value):
+        value = '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    return f"#SBATCH {name}{equals}{value}"
+
+
+def literal_path(path: Path) -> str:
+    """``path`` for sbatch's --output, in which ``%`` starts a pattern such as ``%j``."""
+    return str(path).replace("%", "%%")
+
+
+# The parts of the batch script that do not depend on the job.
+STOPPING = """
+# Near the time limit: requeue. SLURM then stops the job as it stops a preempted one:
+# SIGTERM to every process (train writes a checkpoint at its next step and exits),
+# SIGKILL KillWait seconds later.
+trap 'echo "launch: time limit near: requeueing job $SLURM_JOB_ID"
+      scontrol requeue "$SLURM_JOB_ID"' USR1
+trap 'echo "launch: SIGTERM (preempted, requeued or cancelled): train checkpoints"' TERM
+"""
+RENDEZVOUS = f"""
+# The torchrun agents meet on the first node, at the address SLURM reaches it by, on a
+# port derived from the job id.
+nodes=$(scontrol show hostnames "$SLURM_JOB_NODELIST")
+head_node=${{nodes%%$'\\n'*}}
+addresses=$(sinfo --noheader --Node --nodes="$head_node" --format=%o)
+head_address=${{addresses%%$'\\n'*}}
+port=$(({RDZV_PORT_BASE} + SLURM_JOB_ID % {RDZV_PORT_SPAN}))
+
+if [ -e "$run_dir"/{_checkpoint.LATEST} ]; then resume=--resume; else resume=; fi
+export PYTHONUNBUFFERED=1
+"""
+WAITING = """training=$!
+status=0
+wait "$training" || status=$?
+while kill -0 "$training" 2>/dev/null; do  # a trap interrupted the wait
+    status=0
+    wait "$training" || status=$?
+done
+exit "$status"
+"""
+
+
+def render_script(job: SlurmJob, *, written: datetime | None = None) -> str:
+    """The batch script for ``job``: readable, and every value in it quoted."""
+    gpus = job.gpus_per_node
+    if job.run_dir is None:
+        run_dir = shlex.quote(f"{job.runs}/slurm-") + '"$SLURM_JOB_ID"'
+        output = f"{literal_path(job.runs)}/slurm-%j/slurm-%j.out"
+    else:
+        run_dir = shlex.quote(str(job.run_dir))
+        output = f"{literal_path(job.run_dir)}/slurm-%j.out"
+    sbatch = [
+        f"--job-name={job.job_name}",
+        f"--nodes={job.nodes}",
+        "--ntasks-per-node=1",
+        *([f"--gpus-per-node={gpus}"] if gpus else []),
+        *([f"--cpus-per-task={job.cpus_per_task}"] if job.cpus_per_task else []),
+        *([f"--time={job.time}"] if job.time else []),
+        *([f"--partition={job.partition}"] if job.partition else []),
+        *([f"--account={job.account}"] if job.account else []),
+        *job.sbatch_options,
+        "--requeue",
+        f"--signal=B:USR1@{job.requeue_before}",
+        f"--output={output}",
+        "--open-mode=append",
+    ]
+    stamp = (written or datetime.now()).strftime("%Y-%m-%d %H:%M")
+    script = [
+        "#!/bin/bash",
+        f"# Written by {command_name(f'{PACKAGE}.launch')} slurm on {stamp}.",
+        "# One torchrun per node (srun), c10d rendezvous on the first node.",
+        "# --requeue: back to the queue after preemption or a node failure, under the same",
+        "#   job id, so to the same run folder.",
+        f"# --signal: SIGUSR1 to this shell {job.requeue_before} s before the time limit;"
+        " it requeues the job.",
+        "# Every attempt resumes from the run folder's checkpoint.",
+        *(sbatch_line(option) for option in sbatch),
+        "set -eu",
+        "",
+        "# Where launch ran: relative paths in train's arguments start here.",
+        f"cd {shlex.quote(str(job.workdir))}",
+        f"run_dir={run_dir}",
+        'echo "launch: job $SLURM_JOB_ID, attempt $((${SLURM_RESTART_COUNT:-0} + 1)), on'
+        ' $SLURM_JOB_NODELIST at $(date -Is); run folder $run_dir"',
+        STOPPING + RENDEZVOUS.rstrip("\n"),
+    ]
+    if job.cpus_per_task:
+        threads = max(1, job.cpus_per_task // job.nproc_per_node)
+        script.append(
+            f"export OMP_NUM_THREADS={threads}  # --cpus-per-task {job.cpus_per_task} shared by "
+            f"{job.nproc_per_node} process(es)"
+        )
+    srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
+    if gpus:
+        srun.append(f"--gpus-per-node={gpus}")
+    if job.cpus_per_task:  # since SLURM 22.05 srun no longer takes it from sbatch
+        srun.append(f"--cpus-per-task={job.cpus_per_task}")
+    python = [shlex.quote(job.python)]
+    if job.container is not None:
+        script += container_lines(job)
+        if job.container.runtime is Runtime.PYXIS:
+            srun += pyxis_options(job)
+            python = ["python3"]
+        else:
+            python = ['"$runtime" exec', *(["--nv"] if gpus else []), '--bind "$binds"']
+            python += [shlex.quote(job.container.image), "python3"]
+    train_args = " ".join(shlex.quote(argument) for argument in job.train_args)
+    script += [
+        "",
+        " ".join(srun) + " \\",
+        f"    {' '.join(python)} -m torch.distributed.run \\",
+        f'        --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node={job.nproc_per_node} \\',
+        '        --rdzv-backend=c10d --rdzv-endpoint="$head_address:$port"'
+        ' --rdzv-id="$SLURM_JOB_ID" \\',
+        f"    -m {PACKAGE}.train --device {'cuda' if gpus else 'cpu'}"
+        ' --run-dir "$run_dir" ${resume:+"$resume"}'
+        + (f" \\\n        {train_args}" if train_args else "")
+        + " &",
+        WAITING,
+    ]
+    return "\n".join(script)
+
+
+def _mounted(job: SlurmJob) -> list[str]:
+    """The folders a container must see at the same paths: the package's, the work folder
+    and the run folder's parent (each only once, and none inside another)."""
+    folders = [PACKAGE_ROOT, job.workdir, job.runs]
+    return [
+        str(folder)
+        for index, folder in enumerate(folders)
+        if folder not in folders[:index]
+        and not any(other != folder and folder.is_relative_to(other) for other in folders)
+    ]
+
+
+def container_lines(job: SlurmJob) -> list[str]:
+    assert job.container is not None
+    lines = [
+        "",
+        "# The dev container's image: this package from the shared folder, on PYTHONPATH.",
+        f'export PYTHONPATH={shlex.quote(str(PACKAGE_ROOT))}"${{PYTHONPATH:+:$PYTHONPATH}}"',
+    ]
+    if job.container.runtime is Runtime.APPTAINER:
+        lines += [
+            "runtime=$(command -v apptainer || command -v singularity) || {",
+            '    echo "launch: neither apptainer nor singularity on $(hostname)" >&2',
+            "    exit 1",
+            "}",
+            f"binds={shlex.quote(','.join(_mounted(job)))}",
+        ]
+    return lines
+
+
+def pyxis_options(job: SlurmJob) -> list[str]:
+    assert job.container is not None
+    mounts = ",".join(f"{folder}:{folder}" for folder in _mounted(job))
+    return [
+        f"--container-image={shlex.quote(job.container.image)}",
+        f"--container-mounts={shlex.quote(mounts)}",
+        f"--container-workdir={shlex.quote(str(job.workdir))}",
+        "--no-container-entrypoint",  # the image's entrypoint starts sshd and Jupyter
+    ]
+
+
+def _run(command: Sequence[str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(list(command), capture_output=True, text=True, check=False)
+
+
+def submit(job: SlurmJob, script: str) -> Submitted:
+    """Write ``script`` into the run folder and submit it; `SubmitError` when SLURM refuses.
+
+    A run folder named after the job id is only known once sbatch answers, and the
+    job's log goes into it, so such a job is submitted held, its folder made, the
+    script moved in, and then it is released. When a step after the submission
+    fails, the job is cancelled: nothing is left in the queue.
+    """
+    staging = job.runs if job.run_dir is None else job.run_dir
+    created = [folder for folder in (staging, *staging.parents) if not folder.exists()]
+    staging.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(prefix=".launch-", suffix=SCRIPT_SUFFIX, dir=staging)
+    with os.fdopen(fd, "w") as file:
+        file.write(script)
+    hold = ["--hold"] if job.run_dir is None else []
+    answer = _run(["sbatch", "--parsable", *hold, temporary])
+    if answer.returncode != 0:
+        os.unlink(temporary)
+        for folder in created:  # deepest first; only folders made here, and still empty
+            folder.rmdir()
+        reason = "; ".join((answer.stderr or answer.stdout).strip().splitlines())
+        raise SubmitError(f"sbatch refused the job: {reason}")
+    job_id = int(answer.stdout.strip().split(";")[0])
+    try:
+        run_dir = job.run_dir_of(job_id)
+        run_dir.mkdir(exist_ok=True)
+        script_path = run_dir / f"slurm-{job_id}{SCRIPT_SUFFIX}"
+        os.replace(temporary, script_path)
+        if hold:
+            released = _run(["scontrol", "release", str(job_id)])
+            if released.returncode != 0:
+                raise SubmitError(f"scontrol release {job_id} failed: {released.stderr.strip()}")
+    except BaseException as error:  # Ctrl-C included: a held job would wait forever
+        _run(["scancel", str(job_id)])
+        Path(temporary).unlink(missing_ok=True)
+        if isinstance(error, (OSError, SubmitError)):
+            raise SubmitError(f"{error}; job {job_id} cancelled") from None
+        raise
+    return Submitted(job_id, run_dir, script_path)
+
+
+def filesystem_type(path: Path) -> str | None:
+    """The type of the filesystem ``path`` (or its nearest existing folder) is on."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    target = os.path.realpath(existing)
+    best, kind = "", None
+    try:
+        with open("/proc/self/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                # Spaces, tabs and newlines in mount points are written as octal escapes.
+                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1])
+                inside = target == point or target.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, kind = point, fields[2]
+    except OSError:
+        return None
+    return kind
+
+
+def cluster_hosts(partition: str | None) -> set[str] | None:
+    """The host names of the nodes of ``partition`` (a comma-separated list; None: the
+    cluster's default partition), or None when sinfo cannot tell."""
+    if shutil.which("sinfo") is None:
+        return None
+    answer = _run(["sinfo", "--noheader", "--Node", "--format=%P %n"])
+    if answer.returncode != 0:
+        return None
+    wanted = set(partition.split(",")) if partition else None
+    hosts = set()
+    for line in answer.stdout.splitlines():
+        name, _, host = line.strip().partition(" ")
+        default = name.endswith("*")  # sinfo marks the default partition so
+        if (default if wanted is None else name.rstrip("*") in wanted) and host:
+            hosts.add(host)
+    return hosts
+
+
+def unshared_run_folder(path: Path, kind: str | None, hosts: set[str] | None) -> str | None:
+    """Why ``path`` cannot be the run folder of a job on ``hosts``, or None when it can
+    (or when that cannot be told)."""
+    if kind not in LOCAL_FILESYSTEMS:
+        return None
+    here = socket.gethostname()
+    if hosts is not None and hosts <= {here, here.split(".")[0]}:
+        return None  # every node of this cluster runs on this machine
+    nodes = "the nodes" if hosts is None else "nodes on " + ", ".join(sorted(hosts - {here}))
+    return (
+        f"{path} is on a filesystem local to this machine ({kind} on {here}), which {nodes} "
+        "cannot reach; choose a folder on a shared filesystem (home, project or scratch "
+        "space: NFS, Lustre, GPFS, BeeGFS...)"
+    )
+
+
+# Command-line types: each returns the value or raises argparse.ArgumentTypeError.
+
+
+def slurm_name(text: str) -> str:
+    if not NAME.fullmatch(text):
+        raise argparse.ArgumentTypeError(
+            f"must be a SLURM name (letters, digits, and _ . + - after the first), got {text!r}"
+        )
+    return text
+
+
+def partition_names(text: str) -> str:
+    if not all(NAME.fullmatch(name) for name in text.split(",")):
+        raise argparse.ArgumentTypeError(
+            f"must be a partition name or a comma-separated list of them, got {text!r}"
+        )
+    return text
+
+
+def time_seconds(text: str) -> int:
+    """Seconds in a SLURM time limit (`TIME`); ValueError when it is not one."""
+    match = TIME.fullmatch(text)
+    if match is None:
+        raise ValueError(text)
+    days, day_hours, day_minutes, day_seconds, first, second, third = (
+        int(group) if group is not None else None for group in match.groups()
+    )
+    if days is not None:
+        return ((days * 24 + day_hours) * 60 + (day_minutes or 0)) * 60 + (day_seconds or 0)
+    if third is not None:  # hours:minutes:seconds
+        return (first * 60 + second) * 60 + third
+    return first * 60 + (second or 0)  # minutes[:seconds]
+
+
+def time_limit(text: str) -> str:
+    try:
+        seconds = time_seconds(text)
+    except ValueError:
+        seconds = 0
+    if seconds <= 0:
+        raise argparse.ArgumentTypeError(
+            "must be a time limit as SLURM writes it (MINUTES, HOURS:MINUTES:SECONDS, "
+            f"DAYS-HOURS[:MINUTES[:SECONDS]]...) above 0, got {text!r}"
+        )
+    return text
+
+
+def signal_seconds(text: str) -> int:
+    value = int(text) if re.fullmatch(r"\d+", text) else 0
+    if not 0 < value <= MAX_SIGNAL_SECONDS:
+        raise argparse.ArgumentTypeError(
+            f"must be a number of seconds from 1 to {MAX_SIGNAL_SECONDS}, got {text!r}"
+        )
+    return value
+
+
+def sbatch_option(text: str) -> str:
+    if not re.fullmatch(r"--[a-z][a-z0-9-]*(=[^\x00-\x1f\x7f]*)?", text):
+        raise argparse.ArgumentTypeError(
+            f"must be one long sbatch option, as --name or --name=value on one line, got {text!r}"
+        )
+    return text
+
+
+def one_line(text: str) -> str:
+    """Text that goes into the script: anything but control characters (a newline would
+    end an #SBATCH line) and backslashes (sbatch turns off its %j patterns for them)."""
+    if not text or re.search(r"[\x00-\x1f\x7f\\]", text):
+        raise argparse.ArgumentTypeError(
+            f"must be a non-empty path without control characters or backslashes, got {text!r}"
+        )
+    return text
+
+
+def build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The command's parser and that of its ``slurm`` command."""
+    parser = argparse.ArgumentParser(
+        prog=command_name(f"{PACKAGE}.launch"),
+        description="Run train on a cluster.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{slurm}")
+    slurm = commands.add_parser(
+        "slurm",
+        help="submit train as a SLURM batch job: one torchrun per node, requeued when preempted",
+        description="Write a batch script into the run folder and submit it with sbatch. "
+        "Arguments after -- go to train.",
+        usage="%(prog)s [options] [-- TRAIN ARGUMENTS]",
+    )
+    add = slurm.add_argument
+    add("--nodes", metavar="N", type=positive_int, default=1, help="nodes (default: 1)")
+    add(
+        "--gpus-per-node",
+        metavar="G",
+        type=non_negative_int,
+        default=1,
+        help="GPUs per node, one training process each; 0 for a CPU job (default: 1)",
+    )
+    add(
+        "--nproc-per-node",
+        metavar="P",
+        type=positive_int,
+        help="training processes per node of a CPU job (--gpus-per-node 0; default: 1)",
+    )
+    add(
+        "--cpus-per-task",
+        metavar="C",
+        type=positive_int,
+        help="CPUs per node for its training processes (default: the partition's)",
+    )
+    add("--time", type=time_limit, help="time limit, e.g. 24:00:00 or 2-00:00:00")
+    add("--partition", type=partition_names, help="partition(s) to run in")
+    add("--account", type=slurm_name, help="account to charge")
+    add("--job-name", type=slurm_name, default=PACKAGE, help=f"(default: {PACKAGE})")
+    add(
+        "--requeue-before",
+        metavar="SECONDS",
+        type=signal_seconds,
+        default=120,
+        help="requeue the job this long before its time limit, which makes train write a "
+        "checkpoint (default: 120)",
+    )
+    add(
+        "--run-dir",
+        metavar="DIR",
+        type=one_line,
+        help="the run folder, on a filesystem every node sees; an existing run there is "
+        "resumed (default: runs/slurm-<job id>)",
+    )
+    container = slurm.add_mutually_exclusive_group()
+    container.add_argument(
+        "--apptainer",
+        metavar="IMAGE",
+        type=one_line,
+        help="run in this Apptainer/Singularity image (.sif, or docker://...) with --nv",
+    )
+    container.add_argument(
+        "--container-image",
+        metavar="IMAGE",
+        type=one_line,
+        help="run in this image through pyxis/enroot (srun --container-image)",
+    )
+    add(
+        "--sbatch",
+        metavar="--OPTION[=VALUE]",
+        type=sbatch_option,
+        action="append",
+        default=[],
+        help="another sbatch option for the script, e.g. --sbatch=--qos=high (repeatable)",
+    )
+    add("--dry-run", action="store_true", help="print the script; write and submit nothing")
+    return parser, slurm
+
+
+def check_train_args(args: Sequence[str]) -> None:
+    """`UsageError` unless train's parser takes ``args`` and they leave what the job
+    script sets (`SCRIPT_SETS`) alone; parsed, so abbreviations (``--res``) count too."""
+    parser = build_train_parser()
+    parser.set_defaults(device=None)  # to tell --device auto from no --device
+
+    def refuse(message: str) -> None:
+        raise UsageError(f"train arguments (after --): {message}")
+
+    parser.error = refuse  # type: ignore[method-assign]
+    parsed = parser.parse_args(list(args))
+    for name, (flag, why) in SCRIPT_SETS.items():
+        if getattr(parsed, name) not in (None, False):
+            raise UsageError(f"train arguments (after --): {flag}: {why}")
+
+
+def job_from_arguments(options: argparse.Namespace, train_args: Sequence[str]) -> SlurmJob:
+    """The job the command line describes; `UsageError` for what the types cannot see."""
+    gpus = options.gpus_per_node
+    if gpus and options.nproc_per_node not in (None, gpus):
+        raise UsageError(
+            f"argument --nproc-per-node: with --gpus-per-node {gpus} each node runs one "
+            f"process per GPU ({gpus}); --nproc-per-node is for CPU jobs (--gpus-per-node 0)"
+        )
+    if options.time is not None and options.requeue_before >= time_seconds(options.time):
+        raise UsageError(
+            f"argument --requeue-before: {options.requeue_before} s is not less than --time "
+            f"{options.time} ({time_seconds(options.time)} s)"
+        )
+    check_train_args(train_args)
+    workdir = Path.cwd()
+    container = None
+    if options.apptainer is not None:
+        image = options.apptainer
+        if "://" not in image:  # else a URI apptainer pulls, docker://... or oras://...
+            image = os.path.abspath(image)
+            if not os.path.isfile(image):
+                raise UsageError(f"argument --apptainer: {image} does not exist")
+        container = Container(Runtime.APPTAINER, image)
+    elif options.container_image is not None:
+        image = options.container_image
+        if os.path.isfile(image):  # a squashfs file; pyxis would take dev.sqsh for an image name
+            image = os.path.abspath(image)
+        container = Container(Runtime.PYXIS, image)
+    job = SlurmJob(
+        nodes=options.nodes,
+        gpus_per_node=gpus,
+        nproc_per_node=gpus or options.nproc_per_node or 1,
+        workdir=workdir,
+        python=sys.executable,
+        requeue_before=options.requeue_before,
+        cpus_per_task=options.cpus_per_task,
+        time=options.time,
+        partition=options.partition,
+        account=options.account,
+        job_name=options.job_name,
+        run_dir=None if options.run_dir is None else Path(os.path.abspath(options.run_dir)),
+        container=container,
+        sbatch_options=tuple(options.sbatch),
+        train_args=tuple(train_args),
+    )
+    if container is not None:
+        for folder in _mounted(job):
+            if re.search("[,:]", folder):
+                raise UsageError(
+                    f"argument {container.runtime.value}: {folder} must be mounted into the "
+                    "container, and a path with ',' or ':' cannot be (they separate mounts)"
+                )
+    return job
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    parser, slurm = build_parsers()
+    options, unknown = parser.parse_known_args(argv[:split])
+    train_args = argv[split + 1 :]
+    if unknown:
+        slurm.error(
+            f"unrecognized arguments: {' '.join(unknown)} (train's arguments go after --: "
+            f"{slurm.prog} --nodes 2 -- --epochs 10)"
+        )
+    try:
+        job = job_from_arguments(options, train_args)
+    except UsageError as error:
+        slurm.error(str(error))
+    script = render_script(job)
+    if options.dry_run:
+        sys.stdout.write(script)
+        return 0
+    if shutil.which("sbatch") is None:
+        print(
+            f"{slurm.prog}: error: sbatch is not on PATH: submit from a machine with the SLURM "
+            "client (a login node), or add --dry-run to print the script",
+            file=sys.stderr,
+        )
+        return 1
+    folder = job.run_dir or job.runs / "slurm-<job id>"
+    problem = unshared_run_folder(folder, filesystem_type(folder), cluster_hosts(job.partition))
+    if problem is not None:
+        slurm.error(f"argument --run-dir: {problem}")
+    try:
+        submitted = submit(job, script)
+    except (SubmitError, OSError) as error:
+        print(f"{slurm.prog}: error: {error}", file=sys.stderr)
+        return 1
+    print(submitted)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
