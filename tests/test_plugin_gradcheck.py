@@ -11,8 +11,6 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
-import torch._dynamo
 from conftest import DEFAULT_PACKAGE, PLUGIN_MODULE
 
 # torch.utils.checkpoint imports torch._dynamo on first use. Imported here first, it
@@ -20,13 +18,7 @@ from conftest import DEFAULT_PACKAGE, PLUGIN_MODULE
 # the first session and import it again, registering its operator libraries twice.
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # On a busy machine, threads contending for tiny float64 matmuls make them 100x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # Models and autograd Functions shared by the sessions' test files.
@@ -156,6 +148,25 @@ class CorrectCube(Cube):
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
         return g * 3 * x**2
+
+
+class TopOneMixture(nn.Module):
+    """Each row goes to the expert with the highest gate score (top-1 routing)."""
+
+    def __init__(self, experts=3, features=4, expert=lambda size: nn.Linear(size, size)):
+        super().__init__()
+        self.gate = nn.Linear(features, experts)
+        self.experts = nn.ModuleList(expert(features) for _ in range(experts))
+
+    def forward(self, x):
+        scores = self.gate(x)
+        weight, index = scores.softmax(-1).max(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows = (index == e).nonzero().squeeze(1)
+            if rows.numel():
+                out = out.index_add(0, rows, weight[rows, None] * expert(x[rows]))
+        return out
 
 
 def mean_gated_at_boundary():
@@ -607,6 +618,16 @@ EXPECTED_CONVENTION_FAILURES = {
 }
 
 
+def check_session(
+    pytester: pytest.Pytester, source: str, *, passed: int, expected: dict[str, list[str]]
+) -> pytest.RunResult:
+    """Run ``source`` as a session: ``passed`` tests pass, the ``expected`` ones fail so."""
+    result = run_session(pytester, source)
+    result.assert_outcomes(passed=passed, failed=len(expected))
+    assert_failures(result, expected)
+    return result
+
+
 def assert_failures(result: pytest.RunResult, expected: dict[str, list[str]]) -> None:
     reports = failure_reports(result)
     assert reports.keys() == expected.keys()
@@ -818,25 +839,6 @@ import pytest
 import torch
 from torch import nn
 from helpers import *
-
-
-class TopOneMixture(nn.Module):
-    \"\"\"Each row goes to the expert with the highest gate score (top-1 routing).\"\"\"
-
-    def __init__(self, experts=3, features=4):
-        super().__init__()
-        self.gate = nn.Linear(features, experts)
-        self.experts = nn.ModuleList(nn.Linear(features, features) for _ in range(experts))
-
-    def forward(self, x):
-        scores = self.gate(x)
-        weight, index = scores.softmax(-1).max(-1)
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            rows = (index == e).nonzero().squeeze(1)
-            if rows.numel():
-                out = out.index_add(0, rows, weight[rows, None] * expert(x[rows]))
-        return out
 
 
 def mixture():

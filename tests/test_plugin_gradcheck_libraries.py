@@ -11,16 +11,9 @@ the fixture.
 from __future__ import annotations
 
 import pytest
-import torch
-from test_plugin_gradcheck import assert_failures, run_session
+from test_plugin_gradcheck import check_session
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 LIBRARIES = """
@@ -170,9 +163,7 @@ EXPECTED_LIBRARY_FAILURES = {
 
 
 def test_library_models_and_user_habits(plugin_pytester):
-    result = run_session(plugin_pytester, LIBRARIES)
-    result.assert_outcomes(passed=9, failed=len(EXPECTED_LIBRARY_FAILURES))
-    assert_failures(result, EXPECTED_LIBRARY_FAILURES)
+    result = check_session(plugin_pytester, LIBRARIES, passed=8, expected=EXPECTED_LIBRARY_FAILURES)
     report = "\n".join(result.outlines)
     assert "the input is within eps" not in report
 
@@ -212,6 +203,4 @@ EXPECTED_PROBE_FAILURES = {
 
 
 def test_an_exception_at_a_probe_point_is_never_the_verdict(plugin_pytester):
-    result = run_session(plugin_pytester, PROBES)
-    result.assert_outcomes(passed=1, failed=1)
-    assert_failures(result, EXPECTED_PROBE_FAILURES)
+    check_session(plugin_pytester, PROBES, passed=1, expected=EXPECTED_PROBE_FAILURES)

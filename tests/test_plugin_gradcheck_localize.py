@@ -15,16 +15,9 @@ from __future__ import annotations
 import re
 
 import pytest
-import torch
-from test_plugin_gradcheck import assert_failures, failure_reports, run_session
+from test_plugin_gradcheck import assert_failures, check_session, failure_reports, run_session
 
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 PLANTED = """
@@ -104,23 +97,6 @@ class LeakyExpert(Expert):
         return self.inner(x) + 0.5 * x.detach() ** 2  # a term the backward does not see
 
 
-class Mixture(nn.Module):
-    \"\"\"Top-1 routing: each row goes to the expert with the highest gate score.\"\"\"
-
-    def __init__(self, experts=3, size=4):
-        super().__init__()
-        self.gate = nn.Linear(size, experts)
-        self.experts = nn.ModuleList(Expert(size) for _ in range(experts))
-
-    def forward(self, x):
-        weight, index = self.gate(x).softmax(-1).max(-1)
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            rows = (index == e).nonzero().squeeze(1)
-            if rows.numel():
-                out = out.index_add(0, rows, weight[rows, None] * expert(x[rows]))
-        return out
-
 
 def hooked():
     torch.manual_seed(0)
@@ -150,12 +126,12 @@ def test_function_two_modules_deep_in_fast_mode(gradcheck):
 
 def test_mixture_passes(gradcheck):
     torch.manual_seed(0)
-    gradcheck(Mixture(), torch.randn(8, 4, requires_grad=True))
+    gradcheck(TopOneMixture(expert=Expert), torch.randn(8, 4, requires_grad=True))
 
 
 def test_one_expert_of_a_mixture(gradcheck):
     torch.manual_seed(0)
-    model = Mixture()
+    model = TopOneMixture(expert=Expert)
     model.experts[2] = LeakyExpert()
     gradcheck(model, torch.randn(8, 4, requires_grad=True))
 
@@ -216,7 +192,8 @@ EXPECTED_PLANTED = {
         "E*checked Encoder in float64 *, fast mode *",
     ],
     "test_one_expert_of_a_mixture": [
-        "E*WrongGradient: wrong first-order gradient of Mixture: the error enters in the submodule"
+        "E*WrongGradient: wrong first-order gradient of TopOneMixture: the error enters in the "
+        "submodule"
         " experts.2 (LeakyExpert): wrong on its own (none of its submodules experts.2.inner is, "
         "nor any autograd Function)",
         "E*on its own, at the inputs it got there: d output[*] / d input x[*]: numerical *",
@@ -238,9 +215,7 @@ def test_planted_bugs_are_named_by_their_own_place(plugin_pytester):
     source = PLANTED + "".join(
         f"\n{marker.replace('-', '_')} = {line}" for marker, line in LINES.items()
     )
-    result = run_session(plugin_pytester, source)
-    result.assert_outcomes(passed=4, failed=len(EXPECTED_PLANTED))
-    assert_failures(result, EXPECTED_PLANTED)
+    result = check_session(plugin_pytester, source, passed=4, expected=EXPECTED_PLANTED)
     # The narrowing is bounded: at most DIAGNOSIS_MULTIPLE (20) times the check's own cost.
     for report in failure_reports(result).values():
         multiple = re.search(r"the diagnosis made [\d,]+ evaluations, ([\d.]+)x", "\n".join(report))

@@ -18,7 +18,7 @@ import op_db_sweep as sweep
 import pytest
 import torch
 from conftest import DEFAULT_PACKAGE
-from test_plugin_gradcheck import assert_failures, run_session
+from test_plugin_gradcheck import check_session
 
 # Every 10th op of torch's list (a spread over its families), and the ops each of
 # which stands for a kind of op the fixture once got wrong or that is checked through
@@ -50,12 +50,7 @@ def gradcheck(default_project: Path):
         sys.path.remove(str(default_project / "src"))
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def sampled_names() -> set[str]:
@@ -208,6 +203,4 @@ EXPECTED_USER_FAILURES = {
 
 
 def test_user_style_edge_cases_in_a_pytest_session(plugin_pytester):
-    result = run_session(plugin_pytester, USER_CASES)
-    result.assert_outcomes(passed=13, failed=1)
-    assert_failures(result, EXPECTED_USER_FAILURES)
+    check_session(plugin_pytester, USER_CASES, passed=13, expected=EXPECTED_USER_FAILURES)
