@@ -18,104 +18,49 @@ import math
 import re
 import sys
 import time
+import types
 
-from baking import use_generated_src
+from baking import TEMPLATE_DIR, use_generated_src
 
 
 def models():
-    """(name, build(planted: bool) -> (model, x)) of each model compared."""
+    """(name, build(planted: bool) -> (model, x)) of each model compared: the planted bugs
+    of the template's localization tests (``tests/test_plugin_gradcheck_localize.py``)."""
     import torch
-    from torch import nn
 
-    class TanhLinear(torch.autograd.Function):
-        scale = 1.0
+    sys.path.insert(0, str(TEMPLATE_DIR / "tests"))
+    import test_plugin_gradcheck
+    import test_plugin_gradcheck_localize
 
-        @staticmethod
-        def forward(ctx, x, w):
-            y = torch.tanh(x @ w.t())
-            ctx.save_for_backward(x, w, y)
-            return y
-
-        @classmethod
-        def backward(cls, ctx, grad):
-            x, w, y = ctx.saved_tensors
-            grad = grad * (1 - y * y)
-            return cls.scale * (grad @ w), grad.t() @ x
-
-    class Sloppy(TanhLinear):
-        scale = 1.1
-
-    class Projection(nn.Module):
-        def __init__(self, size, function):
-            super().__init__()
-            self.function = function
-            self.weight = nn.Parameter(torch.randn(size, size) / size**0.5)
-
-        def forward(self, x):
-            return self.function.apply(x, self.weight)
-
-    class Encoder(nn.Module):
-        def __init__(self, size, function):
-            super().__init__()
-            self.embed = nn.Linear(size, size)
-            self.blocks = nn.ModuleList([Projection(size, TanhLinear), Projection(size, function)])
-            self.head = nn.Linear(size, 4)
-
-        def forward(self, x):
-            h = self.embed(x)
-            for block in self.blocks:
-                h = h + block(h)
-            return self.head(h)
-
-    class Expert(nn.Module):
-        def __init__(self, size=4, detached=False):
-            super().__init__()
-            self.inner = nn.Linear(size, size)
-            self.detached = detached
-
-        def forward(self, x):
-            return self.inner(x) + 0.5 * (x.detach() if self.detached else x) ** 2
-
-    class Mixture(nn.Module):
-        def __init__(self, planted, experts=3, size=4):
-            super().__init__()
-            self.gate = nn.Linear(size, experts)
-            self.experts = nn.ModuleList(
-                Expert(size, detached=planted and e == 2) for e in range(experts)
-            )
-
-        def forward(self, x):
-            weight, index = self.gate(x).softmax(-1).max(-1)
-            out = torch.zeros_like(x)
-            for e, expert in enumerate(self.experts):
-                rows = (index == e).nonzero().squeeze(1)
-                if rows.numel():
-                    out = out.index_add(0, rows, weight[rows, None] * expert(x[rows]))
-            return out
+    helpers = types.ModuleType("helpers")
+    exec(test_plugin_gradcheck.HELPERS, helpers.__dict__)
+    sys.modules["helpers"] = helpers  # what the planted models import
+    planted = types.ModuleType("planted")
+    exec(test_plugin_gradcheck_localize.PLANTED, planted.__dict__)
 
     def encoder(size, batch):
-        def build(planted):
+        def build(bug):
             torch.manual_seed(0)
-            model = Encoder(size, Sloppy if planted else TanhLinear)
-            return model, torch.randn(batch, size, requires_grad=True)
+            function = planted.SloppyTanhLinear if bug else planted.TanhLinear
+            return planted.Encoder(size, function), torch.randn(batch, size, requires_grad=True)
 
         return build
 
-    def mixture(planted):
+    def mixture(bug):
         torch.manual_seed(0)
-        return Mixture(planted), torch.randn(8, 4, requires_grad=True)
+        model = helpers.TopOneMixture(expert=planted.Expert)
+        if bug:
+            model.experts[2] = planted.LeakyExpert()
+        return model, torch.randn(8, 4, requires_grad=True)
 
-    def hooked(planted):
-        torch.manual_seed(0)
-        model = nn.Sequential(
-            nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)
-        )
-        model[2].weight.register_hook((lambda g: g * 0.5) if planted else (lambda g: g))
+    def hooked(bug):
+        model = planted.hooked()
+        model[2][0].weight.register_hook(planted.halved if bug else torch.clone)
         return model, torch.randn(3, 4, requires_grad=True)
 
     return [
-        ("Function bug, 170 elements, slow mode", encoder(6, 3)),
-        ("Function bug, 19,324 elements, fast mode", encoder(96, 8)),
+        ("Function bug, slow mode", encoder(6, 3)),
+        ("Function bug, fast mode", encoder(80, 8)),
         ("detached term in one expert, slow mode", mixture),
         ("parameter hook, slow mode", hooked),
     ]
@@ -147,6 +92,8 @@ def main() -> int:
     for name, build in models():
         model, x = build(False)
         passing = best_cpu(lambda: module.gradcheck(model, x), args.repeats)  # noqa: B023
+        elements = x.numel() + sum(p.numel() for p in model.parameters())
+        name = f"{name} ({elements:,} elements)"
         model, x = build(True)
         message = ""
 
@@ -165,7 +112,7 @@ def main() -> int:
         bound = module.DIAGNOSIS_MULTIPLE * int(check) + module.DIAGNOSIS_FLOOR
         within = within and int(diagnosis) <= bound
         print(
-            f"{name:<44}{passing:>9.3f}{failed:>9.3f}{failed / passing:>8.1f}{check:>13}"
+            f"{name:<58}{passing:>9.3f}{failed:>9.3f}{failed / passing:>8.1f}{check:>13}"
             f"{diagnosis:>11}"
         )
     print(
