@@ -62,6 +62,15 @@ def test_mixtral_routed_in_a_python_loop(gradcheck):
               torch.randn(1, 5, 16, requires_grad=True))
 
 
+def test_a_backward_hook_deep_in_mixtral(gradcheck):
+    torch.manual_seed(0)
+    model = mixtral()
+    attention = model.layers[0].self_attn
+    attention.o_proj.register_full_backward_hook(lambda module, grads, _: (1.5 * grads[0],))
+    gradcheck(lambda e: model(inputs_embeds=e).last_hidden_state,
+              torch.randn(1, 5, 16, requires_grad=True))
+
+
 def test_llama(gradcheck):
     from transformers import LlamaConfig, LlamaModel
 
@@ -152,6 +161,12 @@ EXPECTED_LIBRARY_FAILURES = {
         "model.layers.0.mlp.gate.weight[*] by *eps changes how many times a loop runs",
         "E*the decision at *modeling_mixtral.py:* was made * time(s) at the point and * time(s) "
         "with parameter model.layers.0.mlp.gate.weight[*: a loop over the data *",
+    ],
+    "test_a_backward_hook_deep_in_mixtral": [
+        "E*WrongGradient: wrong first-order gradient of *<lambda>: the error enters in the "
+        "submodule model.layers.0.self_attn.o_proj (Linear): wrong on its own, with its backward "
+        "hook(s) *<lambda> (test_session.py:*)",
+        "E*narrowed down in * s by checking parts on their own (* module calls)*",
     ],
     "test_an_integer_input_that_reaches_a_floating_point_op": [
         "E*TypeError: gradcheck: input tokens is a torch.int64 tensor, and "

@@ -3,20 +3,30 @@
 ``gradcheck(model, x)`` compares the gradients autograd computes with finite
 differences, for the inputs that require grad and every trainable parameter of the
 modules the callable reaches (:mod:`.calls`). It computes in float64 end to end
-(:mod:`.float64`): the modules hold float64 copies of their parameters and buffers
-while it runs and get their own tensors back afterwards, so the model and tensors
-passed in keep their dtype, values, device, ``requires_grad``, ``.grad`` and hooks.
-Parameter gradient hooks run on the copies: they are part of the checked gradient.
-Slow mode and second order use ``torch.autograd.gradcheck``/``gradgradcheck``;
-when a check fails, this module finds the element that is wrong and says why:
+(:mod:`.float64`; an op without a float64 kernel runs in float32, and the check then
+takes float32's tolerances): the modules hold float64 copies of their parameters and
+buffers while it runs and get their own tensors back afterwards, so the model and
+tensors passed in keep their dtype, values, device, ``requires_grad``, ``.grad`` and
+hooks. Parameter gradient hooks run on the copies: they are part of the checked
+gradient. Outputs are taken as torch's check takes them (conjugate views resolved,
+complex ones as real pairs, those autograd does not connect to the checked tensors
+left out), empty tensors anywhere. Slow mode and second order use
+``torch.autograd.gradcheck``/``gradgradcheck``; when a check fails, this module finds
+the element that is wrong and says why:
 
-- a wrong gradient: the tensor and element (``parameter fc2.weight[3, 1]``), the
-  output element, the numerical and analytical values, the other wrong tensors;
+- a wrong gradient: where it enters (a gradient hook, a custom autograd Function or
+  the smallest submodule wrong on its own, each checked on its own at the inputs it
+  got, :mod:`.parts`), then what it reaches: the tensor and element (``parameter
+  fc2.weight[3, 1]``), the output element, the numerical and analytical values, the
+  other wrong tensors;
 - a branch boundary: the finite differences took another branch of a data-dependent
   decision (``if h.mean() > 0``) than the point itself, found by recording each
-  evaluation's decisions with :mod:`.control_flow`;
+  evaluation's decisions with :mod:`.control_flow`: an input or a parameter crossed
+  it, the decision went the other way or a loop ran a different number of times;
 - a kink: the one-sided differences disagree (relu, abs, max, clamp evaluated exactly
-  where they switch); a jump when the outputs change as much over half the step.
+  where they switch); a jump when the outputs change as much over half the step;
+- a refused input: the model raised at every finite-difference input near the point
+  (an exception at one is never the verdict: the step shrinks first).
 
 Cost. Slow mode compares every element: two forward passes per checked element, and
 one backward pass per output element. Fast mode (first order) takes one backward
@@ -24,9 +34,10 @@ pass for the gradient of a random weighting of the outputs, and two forward pass
 per checked tensor for its derivative along a random direction, whatever
 the tensor's size; a tensor whose derivatives disagree, or differ by more than a
 single wrong element of 1% of its largest gradient element would make them, is
-searched by bisection (above ``ELEMENTWISE_LIMIT`` elements) and rechecked element
-by element, so a failure still names an element. With ``fast=None`` fast mode is
-used above ``FAST_MODE_ABOVE`` checked elements.
+searched by bisection and rechecked element by element, so a failure still names an
+element. With ``fast=None`` fast mode is used above ``FAST_MODE_ABOVE`` checked
+elements. A failing check's diagnosis makes at most ``DIAGNOSIS_MULTIPLE`` times the
+evaluations of the check itself (plus ``DIAGNOSIS_FLOOR``).
 """
 
 from __future__ import annotations
@@ -71,7 +82,7 @@ from .control_flow import (
 from .failures import CheckFailure, raised
 from .float64 import CannotStayFloat64, Float64Mode, Narrowing, Widening, writes
 from .naming import describe_callable, element_name, input_names
-from .parts import FunctionCall, ModuleCall, Parts, definition, record_parts
+from .parts import FunctionCall, ModuleCall, Parts, State, definition, record_parts
 from .trees import named_leaves
 
 # Above this many checked elements (inputs and parameters together) fast=None picks
@@ -116,6 +127,8 @@ FLOAT32_TOLERANCES = (1e-3, 1e-3, 1e-2)  # eps, atol, rtol
 STEP_RETRIES = 2
 STEP_SHRINK = 10.0
 
+# A part's evaluation counts as at least this share of one of the whole model.
+_SMALLEST_SHARE = 1 / 64
 _BISECTION_BLOCK = 16
 _ANALYTICAL_ENTRIES_LIMIT = 1 << 23
 
@@ -361,8 +374,11 @@ def gradcheck(
     Everything computes in float64 (see :mod:`.float64`); the model and the tensors
     passed in are left as they were. Raises a :class:`GradcheckFailure` (an
     ``AssertionError``) naming the element on failure, ``TypeError``/``ValueError`` for
-    arguments it cannot check. The global torch state (RNGs included) is the same
-    afterwards as before.
+    arguments it cannot check (an integer input an op fails on: a ``TypeError`` naming
+    it). torch's default dtype and its random number generators are as they were before
+    (every evaluation starts from the generators' states at the start); the check takes
+    no snapshot of the rest of torch's settings, which the plugin restores after each
+    test.
     """
     __tracebackhide__ = True
     reject_unknown_keywords("gradcheck", unknown, _OPTIONS)
@@ -498,7 +514,9 @@ def _localized(
         return failure
     lines = str(failure).splitlines()
     what = lines[0].split(" with respect to ")[0]
-    diagnosis = problem.evaluations + search.part_evaluations - check._run_started - check.spent
+    diagnosis = round(
+        problem.evaluations + search.part_evaluations - check._run_started - check.spent
+    )
     narrowed = (
         f"  narrowed down in {time.perf_counter() - started:.2f} s by checking parts on their "
         f"own ({search.summary()}); the diagnosis made {diagnosis:,} "
@@ -535,7 +553,10 @@ class _Localization:
         remaining = check.diagnosis_budget() - problem.evaluations
         self.budget = max(remaining, check.spent + DIAGNOSIS_FLOOR)
         self.started = problem.evaluations
-        self.part_evaluations = 0  # those of the parts' own problems
+        # The parts' own evaluations, each counted as the share of a whole evaluation its
+        # checked elements are of the model's (a part's forward is that much smaller).
+        self.part_evaluations = 0.0
+        self.elements = sum(c.numel for c in problem.checked) or 1
         self.functions = self.modules = self.hooks = 0
         self.checked_parts = 0
 
@@ -551,8 +572,8 @@ class _Localization:
         return " and ".join(parts) or "no part"
 
     @property
-    def evaluations(self) -> int:
-        """What the narrowing has cost so far: the model's evaluations and the parts'."""
+    def evaluations(self) -> float:
+        """What the narrowing has cost so far, in evaluations of the whole model."""
         return self.part_evaluations + self.problem.evaluations - self.started
 
     @property
@@ -585,24 +606,30 @@ class _Localization:
             part = _Problem(function, args, kwargs, params)
             part.hooks_enabled = hooks
             with part.installed():
+                if not part.repeats_itself():
+                    return None  # it keeps state between calls (a cache): no function to check
                 for fast in (True, False):
                     slow_cost = 2 * sum(c.numel for c in part.checked) + 2
                     if not fast and slow_cost > self.budget - self.evaluations - part.evaluations:
                         break
-                    tolerances = {"eps": self.check.eps, "atol": self.check.atol}
-                    _Check(
+                    check = _Check(
                         part,
                         fast=fast,
                         reason="a part checked on its own",
+                        eps=self.check.eps,
+                        atol=self.check.atol,
                         rtol=self.check.rtol,
-                        **tolerances,
-                    ).run(1)
+                    )
+                    check.part = True
+                    check.run(1)
         except WrongGradient as failure:
             return failure
         except Exception:  # the part cannot be checked on its own: no verdict
             return None
         finally:
-            self.part_evaluations += part.evaluations if part is not None else 0
+            if part is not None:
+                share = sum(c.numel for c in part.checked) / self.elements
+                self.part_evaluations += part.evaluations * min(1.0, max(share, _SMALLEST_SHARE))
         return None
 
     def _hook(self, failure: WrongGradient) -> ErrorSource | None:
@@ -630,6 +657,17 @@ class _Localization:
             problem.hooks_enabled = True
         hooks = ", ".join(hook.description for hook in checked.hooks)
         return ErrorSource(SourceKind.HOOK, hooks, checked.hooks[0].location, tensor=checked.name)
+
+    def _whole_model(self, call: ModuleCall, level: list[ModuleCall]) -> bool:
+        """Whether ``call`` is the model the check ran: the callable itself, or the one
+        module a function called at the top (``lambda x: model(x)``) holding every
+        parameter checked. Checked on its own it would only repeat the check."""
+        if call.module is self.problem.function:
+            return True
+        if call.parent is not None or any(other.module is not call.module for other in level):
+            return False
+        checked = {id(tensor) for tensor in self.problem.user_parameters()}
+        return checked <= _parameter_ids(call.module)
 
     def _functions(self, parts: Parts) -> tuple[ErrorSource, str] | None:
         seen: set[tuple] = set()
@@ -669,7 +707,7 @@ class _Localization:
                 if id(call.module) in seen:
                     continue
                 seen.add(id(call.module))
-                if call.module is self.problem.function:
+                if self._whole_model(call, level):
                     wrong = (call, None)  # the whole model: known to be wrong
                     break
                 if self.exhausted:
@@ -705,6 +743,13 @@ class _Localization:
         else:
             within = f" (none of its submodules {children} is, nor any autograd Function)"
             name = call.describe() + ": wrong on its own" + (within if children else "")
+            hooks = [
+                _hook_name(hook)
+                for hooks in (call.module._backward_hooks, call.module._backward_pre_hooks)
+                for hook in hooks.values()
+            ]
+            if hooks:
+                name += f", with its backward hook(s) {', '.join(hooks)}"
         source = ErrorSource(
             SourceKind.MODULE,
             name,
@@ -716,6 +761,10 @@ class _Localization:
             analytical=failure.analytical if failure else 0.0,
         )
         return source, _derivative_text(failure) if failure else None
+
+
+def _parameter_ids(module: nn.Module) -> set[int]:
+    return {id(parameter) for parameter in module.parameters()}
 
 
 def _differentiable(args: tuple, kwargs: dict) -> bool:
@@ -952,6 +1001,7 @@ class _Problem:
             ],
         )
         self._leaves: list[Any] = []
+        self._states: list[int] = []  # positions of the parts' state objects (parts.State)
         for position, (name, leaf) in enumerate(named_leaves):
             if isinstance(leaf, torch.Tensor):
                 if leaf.layout != torch.strided:
@@ -968,6 +1018,8 @@ class _Problem:
                 else:
                     integer_inputs.append(f"{name} ({leaf.dtype})")
                     self.integer_inputs[id(leaf)] = name
+            elif isinstance(leaf, State):
+                self._states.append(position)
             self._leaves.append(leaf)
 
         # By id of the user's tensor: the checked slot, or the float64 constant.
@@ -1009,6 +1061,14 @@ class _Problem:
         for prefix, root in self.roots:
             for name, module in root.named_modules(remove_duplicate=False):
                 yield _joined(prefix, name), module
+
+    def user_parameters(self) -> list[torch.Tensor]:
+        """The user's parameter tensors whose gradients are checked."""
+        return [
+            place.tensor
+            for place in self._parameter_places
+            if id(place.tensor) in self._param_slots
+        ]
 
     def module_names(self) -> dict[int, str]:
         """The name of each module reached (its first name), by id."""
@@ -1102,6 +1162,8 @@ class _Problem:
         leaves = self._leaves.copy()
         for position, slot in self._input_slots:
             leaves[position] = self.checked[slot].as_user(values[slot])
+        for position in self._states:
+            leaves[position] = leaves[position].fresh()
         if self._keywords is None:
             args, kwargs = pytree.tree_unflatten(leaves, self._spec)
         else:  # flat arguments: what tree_unflatten would build, without its cost
@@ -1181,6 +1243,15 @@ class _Problem:
             self._held = []
             return self.evaluate(values)
         return outputs
+
+    def repeats_itself(self) -> bool:
+        """Whether two evaluations at the point give the same outputs, bit for bit.
+
+        A part of a model called on its own may keep state between calls (a key-value
+        cache it appends to): it is then no function of its inputs to check."""
+        point = [c.value.detach() for c in self.checked]
+        first, second = self.evaluate(point), self.evaluate(point)
+        return all(bitwise_equal(a, b) for a, b in zip(first, second, strict=True))
 
     def start_from(self, states: list[torch.Tensor]) -> None:
         """Each evaluation starts from these generator states, if the forward draws from
@@ -1573,6 +1644,7 @@ class _Check:
         self.problem, self.fast, self.reason = problem, fast, reason
         self.eps, self.atol, self.rtol = eps, atol, rtol
         self.refused: list[str] = []
+        self.part = False  # a part of a model checked on its own, while narrowing down
         self._loosened = False
         self._refusals: list[_ProbeRefused] = []
         # The evaluations the check itself made: the diagnosis is bounded by a multiple.
@@ -2034,8 +2106,11 @@ class _Diagnosis:
         """``name (k of n elements)`` of the other tensors with wrong elements, within budget.
 
         In a mixture of experts a bug in one expert shows in the input's gradient first;
-        the expert's own parameters are what the message must name.
+        the expert's own parameters are what the message must name. A part checked on
+        its own needs one wrong element only.
         """
+        if self.check.part:
+            return []
         found = []
         for index in indices:
             if self.over_budget:

@@ -18,9 +18,13 @@ recorded: they are torch's to test.
 from __future__ import annotations
 
 import contextlib
+import copy
+import enum
+import functools
 import inspect
 import linecache
 import sys
+import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import FrameType
@@ -28,11 +32,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from .control_flow import TORCH_DIR, UNKNOWN_LOCATION, Location, user_location
 from .trees import map_tensors
 
-__all__ = ["FunctionCall", "ModuleCall", "Parts", "definition", "record_parts"]
+__all__ = ["FunctionCall", "ModuleCall", "Parts", "State", "definition", "record_parts"]
 
 # At most this many calls of each kind are recorded: each keeps copies of its inputs.
 MAX_CALLS = 256
@@ -118,16 +123,60 @@ class Parts:
             pending.extend(reversed(call.children))
 
 
-def _copy(value: Any) -> Any:
-    """A detached copy of each tensor in ``value``, ``requires_grad`` as it was."""
+@dataclass(frozen=True)
+class State:
+    """An object a part got that it may change (a key-value cache it appends to), as it
+    was at the call: a part run again gets a fresh copy of it each time (``fresh()``)."""
 
-    def copy(tensor: torch.Tensor) -> torch.Tensor:
+    value: Any
+
+    def fresh(self) -> Any:
+        return copy.deepcopy(self.value)
+
+
+# Arguments that are no state a call can change.
+_IMMUTABLE = (
+    torch.Tensor,
+    nn.Module,
+    type,
+    types.FunctionType,
+    types.MethodType,
+    types.BuiltinFunctionType,
+    functools.partial,
+    str,
+    bytes,
+    int,
+    float,
+    bool,
+    complex,
+    type(None),
+    torch.dtype,
+    torch.device,
+    enum.Enum,
+    range,
+    slice,
+)
+
+
+def _copy(value: Any) -> Any:
+    """``value`` as it is at the call: a detached copy of each tensor (``requires_grad``
+    as it was), and any other object a :class:`State` holding a copy of it."""
+
+    def copy_tensor(tensor: torch.Tensor) -> torch.Tensor:
         clone = tensor.detach().clone()
         if tensor.requires_grad and (clone.is_floating_point() or clone.is_complex()):
             clone.requires_grad_(True)
         return clone
 
-    return map_tensors(copy, value)
+    def state(leaf: Any) -> Any:
+        if isinstance(leaf, _IMMUTABLE):
+            return leaf
+        try:
+            return State(copy.deepcopy(leaf))
+        except Exception:  # what cannot be copied is passed as it is
+            return leaf
+
+    return pytree.tree_map(state, map_tensors(copy_tensor, value))
 
 
 class _Recorder:
