@@ -134,6 +134,19 @@ def _evaluation_overhead(gradcheck_module, case) -> float:
     return (ours - bare) / loops
 
 
+def _theil_sen(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """Slope and intercept of the line through ``points`` that outliers do not move: the
+    median of the slopes between pairs, then the median of what is left."""
+    slopes = [
+        (y2 - y1) / (x2 - x1)
+        for i, (x1, y1) in enumerate(points)
+        for x2, y2 in points[i + 1 :]
+        if x2 != x1
+    ]
+    slope = statistics.median(slopes) if slopes else 0.0
+    return slope, statistics.median(y - slope * x for x, y in points)
+
+
 def cost(gradcheck, gradcheck_module, sweep, ops: int, repeats: int) -> bool:
     import torch
 
@@ -176,9 +189,15 @@ def cost(gradcheck, gradcheck_module, sweep, ops: int, repeats: int) -> bool:
     overheads = [o for *_, o in rows if o is not None]
     per_evaluation = statistics.median(overheads)
     fixed = statistics.median(f - d - e * per_evaluation for _, d, f, e, _ in rows)
+    slope, intercept = _theil_sen([(e, f - d) for _, d, f, e, _ in rows])
     print(
         f"per-evaluation overhead (median over ops): {per_evaluation * 1e6:.2f} us "
         f"(target < {EVALUATION_OVERHEAD_TARGET * 1e6:g} us)"
+    )
+    print(
+        f"fixture - torch fitted over the ops as fixed + per evaluation (Theil-Sen): "
+        f"{intercept * 1e6:.1f} us + {slope * 1e6:.2f} us per evaluation (in the calls, with "
+        f"the caches as torch's own check leaves them)"
     )
     print(
         f"fixed cost per call (median): {fixed * 1e6:.1f} us "
