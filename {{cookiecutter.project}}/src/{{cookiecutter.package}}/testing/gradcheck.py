@@ -1175,7 +1175,12 @@ class _Problem:
             for generator, state in self._seeds:
                 generator.set_state(state)
         buffers = self._install(values) if self._parameter_places or self._buffer_places else ()
-        if self._held is not None:
+        if self.widen is False and self._held is None:  # the common case, in fewest calls
+            output = self.function(*args, **kwargs)
+            if type(output) is torch.Tensor and output.is_floating_point():
+                return (output,)
+            outputs = self._floating_outputs(output)
+        elif self._held is not None:
             at_point = self._at_point(values)
             writes = _BufferWrites(buffers, None if at_point else self._held)
             with writes:
@@ -1394,14 +1399,19 @@ class _Probes:
     """The function torch's check calls: the first call is at the point, the model's
     exceptions at the later ones (finite-difference inputs) are refusals."""
 
-    def __init__(self, evaluate: Callable, probe: Callable) -> None:
-        self.evaluate, self.probe, self.first = evaluate, probe, True
+    def __init__(self, problem: _Problem) -> None:
+        self.problem, self.first = problem, True
 
     def __call__(self, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
         if self.first:
             self.first = False
-            return self.evaluate(values)
-        return self.probe(values)
+            return self.problem.evaluate(values)
+        try:
+            return self.problem.evaluate(values)
+        except _CHECK_ERRORS:
+            raise
+        except Exception as error:  # as _Problem.probe, one call less per evaluation
+            raise self.problem._refused(values, error) from error
 
 
 class _FailingOp(TorchFunctionMode):
@@ -1742,16 +1752,14 @@ class _Check:
         if self.fast:
             function, inputs = self._directional(order, generator)
         else:
-            function = _Probes(problem.evaluate, problem.probe)
+            function = _Probes(problem)
             inputs = [c.value.clone().requires_grad_() for c in problem.checked]
         options = {"eps": self.eps, "atol": self.atol, "rtol": self.rtol}
         try:
             if self.fast or order == 1:
                 torch.autograd.gradcheck(function, inputs, **options)
             else:
-                torch.autograd.gradgradcheck(
-                    _Probes(problem.evaluate, problem.probe), inputs, **options
-                )
+                torch.autograd.gradgradcheck(_Probes(problem), inputs, **options)
         except (GradcheckError, RuntimeError) as error:
             if not isinstance(error, GradcheckError):
                 self._reject_reentrant_checkpoint()
