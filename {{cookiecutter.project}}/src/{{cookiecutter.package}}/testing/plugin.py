@@ -819,8 +819,10 @@ def gradcheck(request: pytest.FixtureRequest) -> Callable[..., Any]:
     reaches (second order too with ``gradgrad=True``), leaving the model, the inputs
     and the global state as they were. Parameter gradient hooks are part of the
     checked gradient. ``branches="all"`` checks the other side of each branch
-    decision too. A failure names the tensor and element, the numbers, and whether
-    the point sits on a branch boundary, a kink or a jump instead. Options are
+    decision too. A wrong gradient is narrowed down to where it enters (a gradient
+    hook, a custom autograd Function, the smallest submodule wrong on its own) and
+    named with what it reaches (the tensor and element, the numbers); a point on a
+    branch boundary, a kink or a jump is said to be one instead. Options are
     keyword-only; the forward's keyword arguments go in ``forward_kwargs``. With
     ``-v`` each check writes one line: what was checked, in which mode, where the
     forward's lower-precision dtypes were kept in float64, and which branch sides
