@@ -1,9 +1,10 @@
 """``pytest -n N`` with the plugin's thread share per worker against torch's default threads.
 
-Runs one session of small gradient checks (the kind a project's test suite has: tiny
-float64 ops, many evaluations) with ``-n N`` twice: with each worker's torch given
-``cores // N`` threads (``torch_worker_threads = auto``, the default) and with torch's
-own default (``torch_worker_threads = off``: each worker starts a thread per core).
+Runs one session of gradient checks (the kind a project's test suite has: small
+float64 models, many evaluations; some wide enough for torch to split an op over
+threads) with ``-n N`` twice: with each worker's torch given ``cores // N`` threads
+(``torch_worker_threads = auto``, the default) and with torch's own default
+(``torch_worker_threads = off``: each worker starts a thread per core).
 Wall time of each, best of ``--repeats``.
 
     python benchmarks/xdist_threads.py [--workers 2] [--tests 16] [--repeats 3] [--src SRC]
@@ -35,6 +36,13 @@ def test_small_model(gradcheck, seed):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
     gradcheck(model, torch.randn(4, 8, requires_grad=True))
+
+
+@pytest.mark.parametrize("seed", range({tests}))
+def test_wider_model(gradcheck, seed):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 8))
+    gradcheck(model, torch.randn(64, 256, requires_grad=True))
 """
 
 
@@ -70,7 +78,8 @@ def main() -> int:
                     best[setting], session(Path(folder), src, args.workers, setting)
                 )
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    print(f"pytest -n {args.workers} on {cores} cores, {args.tests} small gradient checks, wall s")
+    checks = 2 * args.tests
+    print(f"pytest -n {args.workers} on {cores} cores, {checks} gradient checks, wall s")
     print(
         f"  torch_worker_threads = auto ({max(1, cores // args.workers)} each): {best['auto']:.1f}"
     )
