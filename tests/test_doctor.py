@@ -15,8 +15,10 @@ import importlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import textwrap
 import threading
 import types
@@ -452,3 +454,30 @@ def test_gpu_access_names_the_case_it_sees(checks, tmp_path: Path) -> None:
 def test_gpu_access_row_is_in_the_report(default_project: Path) -> None:
     result = doctor(default_project)
     assert "GPU access" in rows(result.stdout)
+
+
+def test_json_into_a_pipe_whose_reader_left(default_project: Path) -> None:
+    """``doctor --json | head``, once head has read its lines and exited: the doctor ends
+    quietly with 141 (128 + SIGPIPE, what a program killed by that signal returns), not
+    with a BrokenPipeError traceback."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", DOCTOR, "--json"],
+        env=module_environment(default_project, **UNSET),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    process.stdout.close()  # the reader is gone before the doctor writes (after its checks)
+    errors = process.stderr.read().decode()
+    assert process.wait() == 128 + signal.SIGPIPE, errors
+    assert errors == ""
+
+
+def test_ctrl_c_during_the_checks(checks, monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    """Ctrl-C while the checks run: one line and 130 (128 + SIGINT), not a traceback."""
+
+    def interrupted(*args: object, **kwargs: object) -> list:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(checks, "run_checks", interrupted)
+    assert checks.main([]) == 128 + signal.SIGINT
+    assert capsys.readouterr().err == f"python -m {DOCTOR}: interrupted\n"

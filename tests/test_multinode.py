@@ -33,10 +33,6 @@ EVERY = ("--checkpoint-every", "5")
 AT_STEP = 13  # in epoch 2
 LAST_CHECKPOINT = 10  # the last one before step 13
 pytestmark = pytest.mark.xdist_group("multinode")  # the runs are set up once (tests/run)
-PREEMPTION_WORK = (
-    "needs train's preemption handling (issue 25, points 1 and 2, merged separately): a "
-    "checkpoint of the step reached on SIGTERM, and the resume command printed"
-)
 
 
 def gloo_environment(
@@ -153,7 +149,6 @@ def test_two_nodes_resume_after_sigterm_bitwise_equal(
     assert reproducible(metrics(run_dir)) == reproducible(metrics(reference))
 
 
-@pytest.mark.xfail(reason=PREEMPTION_WORK, strict=True)
 def test_sigterm_writes_a_checkpoint_of_the_step_reached(stopped: tuple[Path, Nodes]) -> None:
     """Stopped after step 13, the run keeps step 13 or later, not the checkpoint of step
     10, and rank 0 prints how to resume."""

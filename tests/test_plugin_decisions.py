@@ -8,9 +8,12 @@ default project's package (always a source) is used through ``MeanGatedNet``.
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import pytest
 from conftest import PLUGIN_MODULE
+from filesystems import READ_ONLY, in_private_mounts
 
 GATED_MODEL = """
 import torch
@@ -254,3 +257,73 @@ def test_compile_and_export_checks_see_the_model_not_the_recorder(plugin_pyteste
     result = plugin_pytester.runpytest_subprocess("-p", PLUGIN_MODULE, "--decisions")
     assert result.ret == 0, result.stdout.str()
     result.stdout.fnmatch_lines(["*dynamic_model/models.py:*: if h.mean() > 0:"])
+
+
+NON_FINITE = """
+import torch
+from mymodels import scale_of
+
+
+def test_nan():
+    assert scale_of(torch.tensor([float("nan")])) != 0
+
+
+def test_infinities():
+    assert scale_of(torch.tensor([float("inf")])) == float("inf")
+    assert scale_of(torch.tensor([-float("inf")])) == -float("inf")
+"""
+
+
+def strict_json(text: str):
+    """``text`` parsed as JSON proper: ``NaN`` and ``Infinity``, which jq and JavaScript
+    refuse, fail the test."""
+
+    def refuse(constant: str):
+        raise AssertionError(f"{constant} in the JSON report, which strict parsers reject")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("workers", [(), ("-n", "2")], ids=["one process", "xdist"])
+def test_non_finite_numbers_in_the_json_report(plugin_pytester, workers):
+    """.item() of nan and of both infinities: strings in the JSON, numbers in the report
+    (and across xdist workers, whose records reach the controller as JSON too)."""
+    plugin_pytester.makepyfile(test_non_finite=NON_FINITE)
+    result = run(plugin_pytester, "--decisions-json", "decisions.json", *workers)
+    assert result.ret == 0, result.stdout.str()
+    (site,) = strict_json((plugin_pytester.path / "decisions.json").read_text())["sites"]
+    outcomes = site["outcomes"]
+    assert (outcomes["count"], outcomes["min"], outcomes["max"]) == (3, "-inf", "inf")
+    assert sorted(outcomes["distinct_values"]) == ["-inf", "inf", "nan"]
+    result.stdout.fnmatch_lines(
+        [
+            "mymodels.py:25: return x.max().item()",
+            "    number: 3 values, min -inf, max inf, 3 distinct",
+        ]
+    )
+
+
+def test_a_report_into_a_read_only_folder(plugin_pytester):
+    """One line says the report could not be written; the tests' summary and exit status
+    stay, and nothing lands in the folder."""
+    plugin_pytester.makepyfile(test_one_side=ONE_SIDE, mymodels=GATED_MODEL)
+    reports = plugin_pytester.path / "reports"
+    reports.mkdir()
+    command = (
+        f'exec "$PYTHON" -m pytest -p {PLUGIN_MODULE} -p no:cacheprovider '
+        "--decisions-source mymodels.py --decisions-json reports/decisions.json"
+    )
+    result = in_private_mounts(
+        f"{READ_ONLY} && {command}",
+        env={**os.environ, "FOLDER": str(reports), "PYTHON": sys.executable},
+        cwd=plugin_pytester.path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert (
+        f"--decisions-json: cannot write {reports / 'decisions.json'}: Read-only file system "
+        "(nothing written)"
+    ) in lines
+    assert "1 passed" in lines[-1]
+    assert "Traceback" not in result.stdout + result.stderr
+    assert list(reports.iterdir()) == []

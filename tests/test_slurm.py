@@ -24,7 +24,7 @@ import pytest
 import slurm_cluster
 from at_step import plant
 from conftest import DEFAULT_PACKAGE, bake_project, module_environment, run_module
-from test_multinode import PREEMPTION_WORK, gloo_environment
+from test_multinode import gloo_environment
 from test_train import assert_bitwise_equal, checkpoint, metrics, reproducible
 
 MISSING = slurm_cluster.missing_requirement()
@@ -176,7 +176,6 @@ def test_requeued_job_resumes_and_ends_bitwise_equal(
     assert not list(hostile_project.parent.parent.rglob("PWNED")), "the folder name ran as code"
 
 
-@pytest.mark.xfail(reason=PREEMPTION_WORK, strict=True)
 def test_requeue_checkpoints_the_step_reached(requeued: Requeued) -> None:
     """Stopped after step 23, the job keeps step 23 or later across the requeue, not the
     checkpoint of step 20, and rank 0's message says how to resume."""

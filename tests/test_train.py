@@ -12,82 +12,50 @@ checked in-process through ``main()``.
 
 from __future__ import annotations
 
-import csv
 import importlib
 import io
+import shutil
 import signal
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEFAULT_PACKAGE, module_environment, run_module
+from conftest import DEFAULT_PACKAGE, module_environment
+from training import (
+    EPOCHS,
+    SMALL,
+    TRAIN,
+    assert_bitwise_equal,
+    checkpoint,
+    metrics,
+    plant,
+    reproducible,
+    torchrun,
+    train,
+    train_in_background,
+    uninterrupted,
+    usage_error,
+    wait_for_line,
+)
 
-TRAIN = f"{DEFAULT_PACKAGE}.train"
-# Small enough for seconds per run, large enough for several steps per epoch (32).
-SMALL = ("--device", "cpu", "--samples", "1024", "--batch-size", "32")
-EPOCHS = "3"
 # With --checkpoint-every 10 the 5th checkpoint is at step 8 of epoch 2 (steps 10, 20,
 # 30, the end of epoch 1 at 32, then 40).
 EVERY = ("--checkpoint-every", "10")
 KILL_AT_CHECKPOINT = 5
 
 
-def train(project: Path, *args: str, env: dict[str, str] | None = None):
-    return run_module(project, TRAIN, *args, env=env)
-
-
-def checkpoint(directory: Path) -> dict:
-    return torch.load(directory / "latest.pt", weights_only=True)
-
-
-def metrics(directory: Path) -> list[dict[str, str]]:
-    with (directory / "metrics.csv").open(newline="") as file:
-        return list(csv.DictReader(file))
-
-
-def reproducible(rows: list[dict[str, str]]) -> list[tuple[str, ...]]:
-    """The columns of metrics.csv that do not depend on timing."""
-    return [(row["epoch"], row["step"], row["loss"], row["lr"]) for row in rows]
-
-
-def assert_bitwise_equal(actual: dict, expected: dict) -> None:
-    """Same position, loss, weights and optimizer state, bit for bit."""
-    assert (actual["epoch"], actual["step"], actual["global_step"], actual["loss"]) == (
-        expected["epoch"],
-        expected["step"],
-        expected["global_step"],
-        expected["loss"],
-    )
-    assert actual["model"].keys() == expected["model"].keys()
-    for name, tensor in expected["model"].items():
-        assert torch.equal(actual["model"][name], tensor), f"weight {name} differs"
-    for index, state in expected["optimizer"]["state"].items():
-        for key, tensor in state.items():
-            assert torch.equal(actual["optimizer"]["state"][index][key], tensor), (index, key)
-
-
-def wait_for_line(process: subprocess.Popen, text: str) -> list[str]:
-    """Read the process's stderr up to the line containing ``text``; the lines read."""
-    lines = []
-    for line in process.stderr:
-        lines.append(line)
-        if text in line:
-            return lines
-    pytest.fail(
-        f"the run ended (exit {process.wait()}) before printing {text!r}:\n{''.join(lines)}"
-    )
+# A checkpoint written by this template before checkpoints had checksums (format 3, commit
+# d538a18): the run of `reference` (SMALL, 3 epochs) with --checkpoint-every 10, SIGKILLed
+# after its 5th checkpoint: epoch 1 done, 8 steps into epoch 2, 40 steps in all.
+FORMAT_3 = Path(__file__).parent / "data" / "format3-epoch1-step8.pt"
 
 
 @pytest.fixture(scope="module")
 def reference(default_project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The uninterrupted run the interrupted ones are compared with (no workers)."""
-    directory = tmp_path_factory.mktemp("reference")
-    result = train(default_project, *SMALL, "--epochs", EPOCHS, "--run-dir", str(directory))
-    assert result.returncode == 0, result.stderr
-    return directory
+    return uninterrupted(default_project, tmp_path_factory.mktemp("reference"))
 
 
 def test_one_epoch(default_project: Path, tmp_path: Path) -> None:
@@ -152,13 +120,6 @@ KILL_AFTER_CHECKPOINT = """
 
     os.replace = replace
 """
-
-
-def plant(directory: Path, source: str) -> Path:
-    """A folder with a ``sitecustomize.py`` holding ``source``, for PYTHONPATH."""
-    directory.mkdir()
-    (directory / "sitecustomize.py").write_text(textwrap.dedent(source))
-    return directory
 
 
 @pytest.mark.parametrize(
@@ -260,13 +221,7 @@ def test_kill_during_checkpoint_write_leaves_latest_intact(
     stall = plant(tmp_path / "plant", STALLING_SAVE)
     runs = tmp_path / "run"
     args = (*SMALL, "--epochs", EPOCHS, "--run-dir", str(runs))
-    process = subprocess.Popen(
-        [sys.executable, "-m", TRAIN, *args],
-        env=module_environment(default_project, path=(stall,)),
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-    )
+    process = train_in_background(default_project, *args, path=(stall,))
     try:
         wait_for_line(process, "STALLED IN SAVE")
         process.send_signal(signal.SIGKILL)
@@ -291,6 +246,26 @@ def test_kill_during_checkpoint_write_leaves_latest_intact(
     assert reproducible(metrics(runs)) == reproducible(metrics(reference))
 
 
+def test_a_format_3_checkpoint_still_resumes(
+    default_project: Path, tmp_path: Path, reference: Path
+) -> None:
+    """Without checksums to verify, with a warning saying so, and bit for bit."""
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copyfile(FORMAT_3, run / "latest.pt")
+    resumed = train(default_project, *SMALL, "--epochs", EPOCHS, "--resume", "--run-dir", str(run))
+    assert resumed.returncode == 0, resumed.stderr
+    assert resumed.stderr.splitlines()[0] == (
+        f"warning: {run / 'latest.pt'} is a checkpoint of format 3, written by an earlier "
+        "version of this command: it has no checksums, so its tensors are not verified"
+    )
+    assert resumed.stdout.splitlines()[0] == (
+        f"resumed {run} at epoch 2, step 8/32 (step 40 of the run)"
+    )
+    assert checkpoint(run)["format"] == 4
+    assert_bitwise_equal(checkpoint(run), checkpoint(reference))
+
+
 def test_resume_when_already_done(default_project: Path, tmp_path: Path) -> None:
     args = (*SMALL, "--epochs", "1", "--run-dir", str(tmp_path))
     assert train(default_project, *args).returncode == 0
@@ -312,18 +287,6 @@ def finished_run(tmp_path: Path, default_project: Path) -> Path:
     result = train(default_project, *SMALL, "--epochs", "1", "--run-dir", str(directory))
     assert result.returncode == 0, result.stderr
     return directory
-
-
-def usage_error(train_module, capsys, *argv: str) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        train_module.main(list(argv))
-    assert exit_info.value.code == 2
-    lines = capsys.readouterr().err.splitlines()
-    assert lines[0].startswith(f"usage: python -m {DEFAULT_PACKAGE}.train ")
-    assert "Traceback" not in "\n".join(lines)
-    prefix = f"python -m {DEFAULT_PACKAGE}.train: error: "
-    assert lines[-1].startswith(prefix)
-    return lines[-1].removeprefix(prefix)
 
 
 @pytest.mark.parametrize(
@@ -447,11 +410,11 @@ def test_corrupt_checkpoint(train_module, capsys, finished_run: Path) -> None:
 def test_checkpoint_of_another_format_is_refused(train_module, capsys, finished_run: Path) -> None:
     latest = finished_run / "latest.pt"
     state = torch.load(latest, weights_only=True)
-    assert state["format"] == 3  # resumes are tested with this one
+    assert state["format"] == 4  # resumes are tested with this one (and format 3)
     torch.save({**state, "format": 2}, latest)
     assert usage_error(train_module, capsys, *resume(finished_run)) == (
         f"argument --resume: {latest} was written by another version of this training "
-        "command (checkpoint format 2; this one reads format 3): start a new --run-dir"
+        "command (checkpoint format 2; this one reads formats 3 and 4): start a new --run-dir"
     )
 
 
@@ -469,6 +432,10 @@ def test_checkpoint_is_loaded_as_data(
     message = usage_error(train_module, capsys, *resume(finished_run))
     assert "is not a readable checkpoint" in message
     assert not marker.exists()
+    # What is in it, and never torch's hint that weights_only=False "will likely succeed".
+    assert "pathlib.Path" in message
+    assert "weights_only" not in message
+    assert "succeed" not in message
 
 
 def test_resume_with_other_data_is_refused(train_module, capsys, finished_run: Path) -> None:
@@ -604,15 +571,6 @@ def test_progress_bar(default_project: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert finished.endswith("\x1b[K\n")
 
 
-def torchrun(project: Path, *args: str, path: tuple[Path, ...] = (), **variables: str):
-    """``torchrun --standalone`` with 2 CPU processes talking gloo over the loopback device."""
-    environ = module_environment(
-        project, path=path, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", **variables
-    )
-    command = ("torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", TRAIN)
-    return run_module(project, *command, *args, env=environ)
-
-
 def test_torchrun_two_processes_on_cpu(default_project: Path, tmp_path: Path) -> None:
     """Two processes, and the same run with rank 0 killed mid-epoch 2 and resumed."""
     args = ("--device", "cpu", "--samples", "512", "--batch-size", "32", "--epochs", "2")
@@ -620,6 +578,11 @@ def test_torchrun_two_processes_on_cpu(default_project: Path, tmp_path: Path) ->
     result = torchrun(default_project, *args, "--run-dir", str(whole))
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("trained 2 epochs on 2 processes on cpu (gloo): loss ")
+    # DynamicNet's block is used only when its loop goes on: DDP must search for unused ones.
+    assert (
+        "DistributedDataParallel: find_unused_parameters=True needed: block.0.weight, "
+        "block.0.bias reached only when `if h.abs().mean() < self.tolerance:` at "
+    ) in result.stderr
     progress = [line for line in result.stderr.splitlines() if line.startswith("epoch ")]
     assert [line.split()[1] for line in progress] == ["1/2", "2/2"]  # rank 0 only
     assert "8/8" in progress[0]  # 512 samples in 2 shares of 256: 8 steps of 32

@@ -7,10 +7,14 @@ The GPU tests run with ``pytest --gpu``; each subprocess inherits this test proc
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from {{ cookiecutter.package }} import train
 
 SMALL = ("--samples", "512", "--batch-size", "32")
 # The dev container's services are not what these tests are about.
@@ -57,6 +61,35 @@ def test_doctor_finds_nothing_wrong():
 
 def test_train_resumes_bit_for_bit_on_the_cpu(tmp_path):
     assert_resume_is_bitwise_equal("cpu", tmp_path)
+
+
+def test_train_stops_on_sigterm_and_resumes_bit_for_bit(tmp_path):
+    """What a preempted job sees (``docker stop``, SLURM): SIGTERM after step 20 of 32,
+    a checkpoint of step 20, exit status 143 (128 + 15); ``--resume`` then ends with the
+    weights of an uninterrupted run. In this process, so the signal lands at that step."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    args = ["--device", "cpu", *SMALL, "--epochs", "2"]
+    assert train.main([*args, "--run-dir", str(whole)]) == 0
+    steps = []
+
+    def sigterm_after_step_20(optimizer, args, kwargs):
+        steps.append(optimizer)
+        if len(steps) == 20:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    hook = register_optimizer_step_post_hook(sigterm_after_step_20)
+    try:
+        assert train.main([*args, "--run-dir", str(split)]) == 128 + signal.SIGTERM
+    finally:
+        hook.remove()
+    assert torch.load(split / "latest.pt", weights_only=True)["global_step"] == 20
+    assert train.main([*args, "--run-dir", str(split), "--resume"]) == 0
+    expected, actual = (
+        torch.load(directory / "latest.pt", weights_only=True)["model"]
+        for directory in (whole, split)
+    )
+    for name, tensor in expected.items():
+        assert torch.equal(actual[name], tensor), f"{name} differs after the stop and --resume"
 
 
 def test_train_rejects_a_bad_flag():

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
         MeanGatedNet,
         PerSampleNet,
         RecursiveNet,
+        RoutedRefineNet,
         conditional_model,
         forward_with_condition,
     )
@@ -26,6 +27,7 @@ __all__ = [
     "MeanGatedNet",
     "PerSampleNet",
     "RecursiveNet",
+    "RoutedRefineNet",
     "conditional_model",
     "forward_with_condition",
 ]

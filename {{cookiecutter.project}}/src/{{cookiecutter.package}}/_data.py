@@ -14,7 +14,8 @@ many batches that worker has loaded before (persistent workers keep their state
 across epochs, a resumed run starts new ones), then changes nothing. The workers'
 global generators are still seeded (`seed_worker`), for code that uses them, but
 they are not in a checkpoint: randomness from them repeats from a run's start, not
-across a resume.
+across a resume. Workers ignore the signals that stop training (`_preemption`): the
+training process stops them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
+from ._preemption import ignore_stop_signals
+
 __all__ = [
     "BatchKey",
     "EpochBatches",
@@ -34,6 +37,7 @@ __all__ = [
     "SyntheticBatches",
     "loader",
     "seed_worker",
+    "start_worker",
 ]
 
 
@@ -115,6 +119,12 @@ def seed_worker(worker_id: int) -> None:
     numpy.random.seed(seed)
 
 
+def start_worker(worker_id: int) -> None:
+    """``worker_init_fn``: `seed_worker`, and leave the stop signals to the training process."""
+    ignore_stop_signals()
+    seed_worker(worker_id)
+
+
 class InProcessBatches:
     """The batches of ``batches`` made in this process, each epoch as the sampler says.
 
@@ -159,6 +169,6 @@ def loader(
         num_workers=workers,
         pin_memory=pin_memory,
         persistent_workers=True,
-        worker_init_fn=seed_worker,
+        worker_init_fn=start_worker,
         generator=torch.Generator().manual_seed(seed),
     )

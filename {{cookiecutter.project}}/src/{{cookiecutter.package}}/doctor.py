@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from . import gpus
-from ._command import command_name
+from ._command import command_name, reports_errors
 from .models import DynamicNet, conditional_model, forward_with_condition
 from .testing.global_state import restore, snapshot
 
@@ -543,6 +543,7 @@ def format_table(results: Sequence[Result]) -> str:
     return "\n".join(lines)
 
 
+@reports_errors(f"{PACKAGE}.doctor")
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog=command_name(f"{PACKAGE}.doctor"),

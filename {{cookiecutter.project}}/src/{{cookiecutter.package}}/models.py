@@ -230,3 +230,31 @@ class CondGatedNet(MeanGatedNet):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.linear(x)
         return torch.cond(h.mean() > 0, torch.relu, torch.tanh, (h,))
+
+
+class RoutedRefineNet(nn.Module):
+    """Rows whose encoding is large go through a refinement layer; the other rows skip it.
+
+    Dynamic because the routing is decided by the data, row by row: ``refine`` runs
+    only when some row of the batch needs it, so its parameters get no gradient from a
+    batch where none does. Training never changes them unless batches take that side;
+    under ``DistributedDataParallel`` a rank whose batch has no such row leaves them
+    unused, which DDP must be told about (``find_unused_parameters=True``). Each row's
+    output depends on that row only, so splitting a batch over ranks computes what
+    the whole batch computes.
+    """
+
+    def __init__(self, features: int = 8, classes: int = 3, threshold: float = 2.0) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(features, features)
+        self.refine = nn.Linear(features, features)
+        self.head = nn.Linear(features, classes)
+        self.threshold = threshold
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.encoder(x)
+        hard = h.norm(dim=-1) > self.threshold
+        if hard.any():
+            rows = hard.nonzero(as_tuple=True)[0]
+            h = h.index_add(0, rows, torch.tanh(self.refine(h[rows])))
+        return self.head(h)

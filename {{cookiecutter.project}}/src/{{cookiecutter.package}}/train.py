@@ -2,7 +2,7 @@
 
     <project>-train --device cuda --batch-size 64 --epochs 10
     <project>-train --run-dir runs/a --checkpoint-every 100 --workers 2 --precision bf16
-    <project>-train --run-dir runs/a --resume          # after a crash or kill
+    <project>-train --run-dir runs/a --resume          # after a stop, a crash or a kill
     torchrun --nproc_per_node 2 -m <package>.train --device cuda
 
 Each run has a folder (``--run-dir``, default ``runs/<date-time>``) holding
@@ -16,7 +16,38 @@ and a checkpoint holds the model, the optimizer, the fp16 gradient scaler, every
 random number generator and the position in the epoch, so ``--resume`` continues
 exactly where the last checkpoint stopped, even mid-epoch: the final weights are
 bitwise equal to those of an uninterrupted run with the same settings, whatever
-``--workers`` either run used.
+``--workers`` either run used. A checkpoint carries a CRC-32 of each tensor, which
+``--resume`` verifies (`_checkpoint`).
+
+Stopping, and what launch scripts rely on (``<project>-launch slurm`` among them):
+
+- SIGINT (Ctrl-C), SIGTERM (``docker stop``, Kubernetes, SLURM's preemption and time
+  limit) and SIGUSR1 (SLURM's ``--signal=USR1@SECONDS``) stop training after the
+  optimizer step under way; ``latest.pt`` then holds exactly that step, stderr ends
+  with two lines, ``stopped by SIGTERM at epoch 2, step 8/32 (step 40 of the run);
+  checkpoint runs/a/latest.pt`` and ``resume with: <the command>``, and the process
+  exits with 128 + the signal's number (130, 143, 138). Further signals while the
+  checkpoint is written change nothing. A signal during the last step of the run
+  lets it finish (exit status 0). See `_preemption`.
+- ``--resume --run-dir <the same folder>`` (with the run's other flags) continues bit
+  for bit and first prints ``resumed <folder> at epoch E, step S/N (step G of the
+  run)`` on stdout.
+- Under ``torchrun`` all processes stop after the same step (one step after the first
+  process saw the signal). torchrun forwards SIGTERM and SIGINT to its processes
+  (SIGKILL follows after its ``--shutdown-timeout``, 30 s), then exits 1 itself with
+  its own traceback. SIGUSR1 kills torchrun and leaves its processes training,
+  unless torchrun was started with ``--signals-to-handle
+  SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1``, which makes it forward SIGUSR1 too.
+- One process writes a run folder at a time: rank 0 holds an ``fcntl`` lock on
+  ``.lock`` in it from before its first write to its exit (the kernel drops it when
+  the process dies, however); a second ``train`` there exits 1 with one line naming
+  the folder and the holder's PID.
+
+Failures the user can act on are one ``error:`` line naming the file, the entry or the
+value (`_command.reports_errors`): exit status 2 for a bad command line or a checkpoint
+that cannot be resumed (damaged, of another model or version), 1 for a locked or
+read-only run folder, a full disk, a link planted in the folder, a malformed
+``metrics.csv``.
 
 Under ``torchrun`` every process trains a copy of the model on its share of each
 epoch (DistributedSampler) and DistributedDataParallel averages the gradients:
@@ -24,23 +55,30 @@ NCCL on GPUs, gloo on the CPU. `DynamicNet` skips its residual block for some
 batches, so in those steps the block's parameters get no gradient on that process.
 DDP has to be told (``find_unused_parameters=True``): otherwise that step's gradient
 reduction never finishes and the next step fails ("Expected to have finished
-reduction in the prior iteration").
+reduction in the prior iteration"). That costs a search of the graph at every step,
+so it is turned off only for a model whose every parameter is used whichever way each
+of its branch decisions goes on the first batch, and whose parameter use depends on
+nothing else the probe cannot turn (``testing.parameter_use.find_unused_parameters_needed``);
+rank 0 prints the answer and its reason.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import math
 import os
 import re
+import shlex
 import sys
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from signal import Signals
 from typing import Any, TextIO
 
 import torch
@@ -49,14 +87,27 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from . import _checkpoint
-from ._command import command_name
+from ._checkpoint import Position, ProcessState, RunSettings, TrainingState
+from ._command import command_name, reports_errors
 from ._data import EpochBatches, SyntheticBatches, loader
-from ._metrics import EpochMetrics, MetricsLog, tensorboard_missing
+from ._files import FolderLock, remove_incomplete
+from ._metrics import EpochMetrics, MetricsLog, RunningMean, tensorboard_missing
+from ._preemption import StopAgreement, StopSignal, stop_signals
 from ._progress import Progress
 from .gpus import cuda_unavailable_reason
 from .models import DynamicNet
+from .testing.parameter_use import find_unused_parameters_needed
 
-__all__ = ["Config", "Launch", "UsageError", "build_parser", "main", "synthetic_data", "train"]
+__all__ = [
+    "Config",
+    "Launch",
+    "Stopped",
+    "UsageError",
+    "build_parser",
+    "main",
+    "synthetic_data",
+    "train",
+]
 
 PACKAGE = __package__
 IN_FEATURES = 16
@@ -194,9 +245,11 @@ def default_run_dir(now: datetime | None = None) -> Path:
     return candidate
 
 
-def prepare_run_dir(config: Config, launch: Launch) -> Config:
+def prepare_run_dir(config: Config, launch: Launch, held: contextlib.ExitStack) -> Config:
     """Check ``--run-dir``/``--resume`` before any work; the config with the run folder,
-    created (by rank 0, the only process that writes there)."""
+    created and locked (`FolderLock`, held until ``held`` closes) by rank 0, the only
+    process that writes there. The lock comes before the checks of what the folder
+    holds: another run may be writing it."""
     if config.run_dir is None:
         if config.resume:
             raise UsageError("argument --resume: needs --run-dir DIR, the folder of the run")
@@ -207,6 +260,8 @@ def prepare_run_dir(config: Config, launch: Launch) -> Config:
     if config.resume:
         if not directory.is_dir():
             raise UsageError(f"argument --run-dir: {directory} does not exist (nothing to resume)")
+        if launch.rank == 0:
+            held.enter_context(FolderLock.acquire(directory))
         if not checkpoint.exists():
             raise UsageError(
                 f"argument --resume: no checkpoint in {directory} ({checkpoint.name} is missing)"
@@ -224,111 +279,80 @@ def prepare_run_dir(config: Config, launch: Launch) -> Config:
             raise UsageError(
                 f"argument --run-dir: cannot create {directory}: {error.strerror}"
             ) from None
+        held.enter_context(FolderLock.acquire(directory))
     return config
+
+
+def build_model() -> DynamicNet:
+    return DynamicNet(in_features=IN_FEATURES, out_features=CLASSES)
 
 
 def load_resumable(
     config: Config, launch: Launch, device: torch.device, log: TextIO
-) -> dict[str, Any]:
-    """The checkpoint to resume, checked against this run's settings."""
+) -> TrainingState:
+    """The checkpoint to resume, checked against this run's model and settings."""
     assert config.checkpoint is not None
     try:
-        state = _checkpoint.load(config.checkpoint, map_location=device)
+        state = _checkpoint.load(config.checkpoint)
+        with torch.device("meta"):  # the shapes, without the memory or the random numbers
+            _checkpoint.check_fits(state, build_model(), config.checkpoint)
     except _checkpoint.CheckpointError as error:
         raise UsageError(f"argument --resume: {error}") from None
     settings = run_settings(config, launch)
     for name in DATA_SETTINGS:
-        if state["run"][name] != settings[name]:
+        if getattr(state.run, name) != getattr(settings, name):
             raise UsageError(
                 f"argument --{name}: {config.checkpoint} was trained with --{name} "
-                f"{state['run'][name]}, this run has {settings[name]}, which makes another data "
-                "set; use the same value, or a new --run-dir"
+                f"{getattr(state.run, name)}, this run has {getattr(settings, name)}, which "
+                "makes another data set; use the same value, or a new --run-dir"
             )
     if launch.rank == 0:
+        if state.format == _checkpoint.UNVERIFIED_FORMAT:
+            print(
+                f"warning: {config.checkpoint} is a checkpoint of format "
+                f"{_checkpoint.UNVERIFIED_FORMAT}, written by an earlier version of this "
+                "command: it has no checksums, so its tensors are not verified",
+                file=log,
+            )
         for name in SCHEDULE_SETTINGS:
-            if state["run"][name] != settings[name]:
+            if getattr(state.run, name) != getattr(settings, name):
                 print(
                     f"warning: {config.checkpoint} was trained with {name.replace('_', ' ')} "
-                    f"{state['run'][name]} and this run uses {settings[name]}: training "
-                    "continues, but not bit for bit as an uninterrupted run would",
+                    f"{getattr(state.run, name)} and this run uses {getattr(settings, name)}: "
+                    "training continues, but not bit for bit as an uninterrupted run would",
                     file=log,
                 )
     return state
 
 
-def run_settings(config: Config, launch: Launch) -> dict[str, Any]:
-    return {
-        "seed": config.seed,
-        "samples": config.samples,
-        "batch_size": config.batch_size,
-        "lr": config.lr,
-        "noise": config.noise,
-        "precision": config.precision,
-        "world_size": launch.world_size,
-    }
+def run_settings(config: Config, launch: Launch) -> RunSettings:
+    return RunSettings(
+        seed=config.seed,
+        samples=config.samples,
+        batch_size=config.batch_size,
+        lr=config.lr,
+        noise=config.noise,
+        precision=config.precision,
+        world_size=launch.world_size,
+    )
 
 
-class RunningMean:
-    """The mean of an epoch's per-batch losses, summed on the device, read only on demand.
-
-    A step only keeps its detached loss: adding it to a total at once would cost an op
-    per step, and reading it would wait for the GPU. Every `FOLD` steps of the epoch
-    those losses are summed (in float64) into one partial sum. The partial sums fall
-    on the same steps whether or not the epoch was interrupted, and `state` holds the
-    losses not summed yet, so a resumed epoch ends with the same bits.
-    """
-
-    FOLD = 1024
-
-    def __init__(self, device: torch.device, state: Mapping[str, Any] | None = None) -> None:
-        self.device = device
-        self._partials: list[torch.Tensor] = []
-        self._losses: list[torch.Tensor] = []
-        self._sizes: list[int] = []
-        self.count = 0
-        if state is not None:
-            self._partials = list(state["partials"].to(device).unbind())
-            self._losses = list(state["losses"].to(device).unbind())
-            self._sizes = state["sizes"].tolist()
-            self.count = state["samples"]
-
-    def add(self, batch_mean: torch.Tensor, batch_size: int) -> None:
-        self._losses.append(batch_mean.detach())
-        self._sizes.append(batch_size)
-        self.count += batch_size
-        if len(self._losses) == self.FOLD:
-            self._partials.append(self._pending_sum())
-            self._losses, self._sizes = [], []
-
-    def _pending_sum(self) -> torch.Tensor:
-        if not self._losses:
-            return torch.zeros((), dtype=torch.float64, device=self.device)
-        sizes = torch.tensor(self._sizes, dtype=torch.float64, device=self.device)
-        return (torch.stack(self._losses).double() * sizes).sum()
-
-    def total(self) -> torch.Tensor:
-        """The sum of batch loss x batch size so far (a float64 tensor on the device)."""
-        return torch.stack([*self._partials, self._pending_sum()]).sum()
-
-    def value(self) -> float:
-        return self.total().item() / max(self.count, 1)
-
-    def state(self) -> dict[str, Any]:
-        """What a checkpoint needs to continue this mean (on the CPU)."""
-        empty = torch.zeros(0, dtype=torch.float64)
-        return {
-            "partials": torch.stack(self._partials).cpu() if self._partials else empty,
-            "losses": torch.stack(self._losses).cpu() if self._losses else empty.float(),
-            "sizes": torch.tensor(self._sizes, dtype=torch.int64),
-            "samples": self.count,
-        }
+def epoch_batches(config: Config, launch: Launch) -> EpochBatches:
+    """This process's share of every epoch, in batches."""
+    return EpochBatches(
+        config.samples,
+        config.batch_size,
+        seed=config.seed,
+        rank=launch.rank,
+        world_size=launch.world_size,
+    )
 
 
 def process_states(
     launch: Launch, device: torch.device, running: RunningMean
-) -> list[dict[str, Any]]:
+) -> list[ProcessState]:
     """Every process's random number generators and epoch loss so far, indexed by rank."""
-    state = {"rng": _checkpoint.rng_state(device), "loss": running.state()}
+    state = ProcessState(rng=_checkpoint.rng_state(device), loss=running.state())
     if not launch.torchrun:
         return [state]
     states: list[Any] = [None] * launch.world_size
@@ -336,177 +360,251 @@ def process_states(
     return states
 
 
-@dataclass
-class Position:
-    """Where training stands: epochs finished, steps done in the next one, steps in all."""
+def where(position: Position, steps: int) -> str:
+    """``epoch 2, step 8/32 (step 40 of the run)``: 8 of the 32 steps of epoch 2 are done."""
+    step = min(position.step, steps)
+    return (
+        f"epoch {position.epoch + 1}, step {step}/{steps} (step {position.global_step} of the run)"
+    )
 
-    epoch: int = 0
-    step: int = 0
-    global_step: int = 0
+
+class Stopped(Exception):
+    """Training stopped on ``signal`` at ``position``, where ``checkpoint`` now stands."""
+
+    def __init__(self, signal: Signals, position: Position, steps: int, checkpoint: Path) -> None:
+        super().__init__(signal, position, steps, checkpoint)
+        self.signal, self.position, self.steps = signal, position, steps
+        self.checkpoint = checkpoint
+
+    @property
+    def status(self) -> int:
+        """The exit status of a process ended by this signal, as shells report it."""
+        return 128 + self.signal
+
+    def __str__(self) -> str:
+        return (
+            f"stopped by {self.signal.name} at {where(self.position, self.steps)}; "
+            f"checkpoint {self.checkpoint}"
+        )
+
+
+class Trainer:
+    """One process's training: the model, its optimizer and data, where it stands, and
+    what it writes. `train` calls its steps in order; each reads and updates this state."""
+
+    def __init__(
+        self,
+        config: Config,
+        launch: Launch,
+        device: torch.device,
+        resumed: TrainingState | None,
+        log: TextIO,
+        stop: StopSignal | None,
+    ) -> None:
+        assert config.checkpoint is not None, "no run folder: see prepare_run_dir"
+        assert config.run_dir is not None
+        self.config, self.launch, self.device = config, launch, device
+        self.checkpoint = config.checkpoint
+        torch.manual_seed(config.seed)
+        self.model = build_model().to(device)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.lr)
+        self.scaler = torch.amp.GradScaler(device.type) if config.precision == "fp16" else None
+        self.position, self.loss = Position(), None
+        self.elapsed = 0.0  # of the epoch under way, before this process
+        self.resumed_process: ProcessState | None = None  # its loss so far, in that epoch
+        if resumed is not None:
+            self._restore(resumed)
+        if launch.rank == 0:
+            for leftover in remove_incomplete(self.checkpoint):
+                print(f"removed {leftover}, an incomplete checkpoint of a killed run", file=log)
+
+        inputs, labels = synthetic_data(config.samples, config.seed)
+        self.batches = epoch_batches(config, launch)
+        self.steps = len(self.batches)
+        if self.position.step >= self.steps:  # resumed with a larger --batch-size: epoch over
+            self.position.step = self.steps
+        self.data = loader(
+            SyntheticBatches(inputs, labels, noise=config.noise, seed=config.seed),
+            self.batches,
+            workers=config.workers,
+            seed=config.seed,
+            pin_memory=device.type == "cuda",
+        )
+        self.network: torch.nn.Module = self.model
+        if launch.torchrun:
+            unused = find_unused_parameters_needed(
+                self.model, inputs[: config.batch_size].to(device)
+            )
+            if launch.rank == 0:
+                print(f"DistributedDataParallel: {unused}", file=log)
+            self.network = DistributedDataParallel(
+                self.model,
+                device_ids=[device.index] if device.type == "cuda" else None,
+                find_unused_parameters=unused.needed,
+            )
+        self.autocast = (
+            contextlib.nullcontext()
+            if config.precision == "32"
+            else torch.autocast(device.type, dtype=AUTOCAST_DTYPES[config.precision])
+        )
+        self.progress: Progress | None = None
+        self.metrics: MetricsLog | None = None
+        if launch.rank == 0:
+            self.progress = Progress(config.epochs, self.steps, stream=log)
+            self.metrics = MetricsLog(
+                config.run_dir,
+                epochs_done=self.position.epoch,
+                step=self.position.global_step,
+                tensorboard=config.tensorboard,
+            )
+        self.saver = _checkpoint.BackgroundSaver()
+        self.saved_at: int | None = None  # the global step of the last checkpoint
+        self.stops = StopAgreement(stop, distributed=launch.torchrun)
+        self.running = RunningMean(device)
+        self.started = 0.0
+
+    def _restore(self, state: TrainingState) -> None:
+        self.model.load_state_dict(state.model)
+        self.optimizer.load_state_dict(state.optimizer)
+        for group in self.optimizer.param_groups:  # the saved state carries the old --lr
+            group["lr"] = self.config.lr
+        if self.scaler is not None and state.scaler is not None:
+            self.scaler.load_state_dict(state.scaler)
+        self.position = dataclasses.replace(state.position)
+        self.loss, self.elapsed = state.loss, state.epoch_seconds
+        if len(state.processes) == self.launch.world_size:
+            self.resumed_process = state.processes[self.launch.rank]
+            _checkpoint.set_rng_state(self.resumed_process.rng, self.device)
+
+    def begin_epoch(self) -> None:
+        if self.resumed_process is not None and self.position.step:
+            self.running = RunningMean(self.device, self.resumed_process.loss)
+        else:
+            self.running, self.elapsed = RunningMean(self.device), 0.0
+        self.started = time.perf_counter() - self.elapsed
+        if self.progress is not None:
+            self.progress.start_epoch(self.position.epoch + 1, self.elapsed)
+        self.batches.set_position(self.position.epoch, self.position.step)
+        self.network.train()
+
+    def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        inputs = inputs.to(self.device, non_blocking=True)
+        labels = labels.to(self.device, non_blocking=True)
+        with self.autocast:
+            loss = F.cross_entropy(self.network(inputs), labels)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler is None:
+            loss.backward()
+            self.optimizer.step()
+        else:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        self.running.add(loss, labels.shape[0])
+        self.position.step += 1
+        self.position.global_step += 1
+        if self.progress is not None:
+            samples = self.running.count * self.launch.world_size
+            self.progress.update(self.position.step, samples, self.running.value)
+
+    def checkpoint_if_due(self) -> None:
+        every = self.config.checkpoint_every
+        if every is not None and self.position.global_step % every == 0:
+            self.save()
+
+    def end_epoch(self) -> None:
+        """The epoch's loss over every process, its metrics row, and a checkpoint."""
+        count = torch.tensor(float(self.running.count), device=self.device).double()
+        totals = torch.stack([self.running.total(), count])
+        if self.launch.torchrun:
+            dist.all_reduce(totals)
+        self.loss = (totals[0] / totals[1]).item()
+        seconds = time.perf_counter() - self.started
+        samples = int(totals[1].item())
+        self.position.epoch, self.position.step = self.position.epoch + 1, 0
+        self.resumed_process = None
+        if self.metrics is not None:
+            self.metrics.write(
+                EpochMetrics(
+                    epoch=self.position.epoch,
+                    step=self.position.global_step,
+                    loss=self.loss,
+                    samples_per_s=round(samples / seconds, 1),
+                    lr=self.optimizer.param_groups[0]["lr"],
+                    seconds=round(seconds, 4),
+                )
+            )
+        self.save()
+        if self.progress is not None:
+            self.progress.end_epoch(samples, self.loss)
+
+    def save(self) -> None:
+        """A checkpoint of this position (written by rank 0; every process takes part)."""
+        processes = process_states(self.launch, self.device, self.running)
+        self.saved_at = self.position.global_step
+        if self.launch.rank != 0:
+            return
+        epoch_seconds = time.perf_counter() - self.started if self.position.step else 0.0
+        state = TrainingState(
+            position=dataclasses.replace(self.position),
+            epoch_seconds=epoch_seconds,
+            loss=self.loss,
+            run=run_settings(self.config, self.launch),
+            model=self.model.state_dict(),
+            optimizer=self.optimizer.state_dict(),
+            scaler=None if self.scaler is None else self.scaler.state_dict(),
+            processes=processes,
+        )
+        self.saver.save(state, self.checkpoint)
+
+    def stop_if_signalled(self) -> None:
+        """`Stopped`, once a checkpoint of this position is written, if a stop signal came."""
+        received = self.stops.signal()
+        if received is None:
+            return
+        if self.saved_at != self.position.global_step:
+            self.save()
+        raise Stopped(received, dataclasses.replace(self.position), self.steps, self.checkpoint)
+
+    def close(self) -> None:
+        """Wait for the last checkpoint to be on disk; close the metrics."""
+        try:
+            self.stops.close()
+            self.saver.wait()
+        finally:
+            if self.metrics is not None:
+                self.metrics.close()
 
 
 def train(
     config: Config,
     launch: Launch,
     device: torch.device,
-    resumed: dict[str, Any] | None = None,
+    resumed: TrainingState | None = None,
     log: TextIO | None = None,
+    stop: StopSignal | None = None,
 ) -> float | None:
     """Train for the epochs ``resumed`` has not done yet; the last epoch's mean loss.
 
-    ``config.run_dir`` must exist (`prepare_run_dir`).
+    ``config.run_dir`` must exist (`prepare_run_dir`). With ``stop`` (`stop_signals`),
+    a stop signal ends training after the step under way with a checkpoint of it, and
+    `Stopped`.
     """
-    log = sys.stderr if log is None else log
-    assert config.checkpoint is not None, "no run folder: see prepare_run_dir"
-    assert config.run_dir is not None
-    torch.manual_seed(config.seed)
-    model = DynamicNet(in_features=IN_FEATURES, out_features=CLASSES).to(device)
-    optimizer = torch.optim.Adam(model.parameters(), lr=config.lr)
-    scaler = torch.amp.GradScaler(device.type) if config.precision == "fp16" else None
-    position, loss, mine = Position(), None, None
-    elapsed = 0.0  # of the epoch under way, before this process
-    if resumed is not None:
-        model.load_state_dict(resumed["model"])
-        optimizer.load_state_dict(resumed["optimizer"])
-        for group in optimizer.param_groups:  # the saved state carries the old --lr
-            group["lr"] = config.lr
-        if scaler is not None and resumed["scaler"] is not None:
-            scaler.load_state_dict(resumed["scaler"])
-        position = Position(resumed["epoch"], resumed["step"], resumed["global_step"])
-        loss, elapsed = resumed["loss"], resumed["epoch_seconds"]
-        if len(resumed["processes"]) == launch.world_size:
-            mine = resumed["processes"][launch.rank]
-            _checkpoint.set_rng_state(mine["rng"], device)
-    if launch.rank == 0:
-        for leftover in _checkpoint.remove_incomplete(config.checkpoint):
-            print(f"removed {leftover}, an incomplete checkpoint of a killed run", file=log)
-
-    inputs, labels = synthetic_data(config.samples, config.seed)
-    batches = EpochBatches(
-        config.samples,
-        config.batch_size,
-        seed=config.seed,
-        rank=launch.rank,
-        world_size=launch.world_size,
-    )
-    steps = len(batches)
-    if position.step >= steps:  # resumed with a larger --batch-size: the epoch is over
-        position.step = steps
-    data = loader(
-        SyntheticBatches(inputs, labels, noise=config.noise, seed=config.seed),
-        batches,
-        workers=config.workers,
-        seed=config.seed,
-        pin_memory=device.type == "cuda",
-    )
-    network: torch.nn.Module = model
-    if launch.torchrun:
-        network = DistributedDataParallel(
-            model,
-            device_ids=[device.index] if device.type == "cuda" else None,
-            find_unused_parameters=True,
-        )
-    autocast = (
-        contextlib.nullcontext()
-        if config.precision == "32"
-        else torch.autocast(device.type, dtype=AUTOCAST_DTYPES[config.precision])
-    )
-    progress = metrics = None
-    if launch.rank == 0:
-        progress = Progress(config.epochs, steps, stream=log)
-        metrics = MetricsLog(
-            config.run_dir,
-            epochs_done=position.epoch,
-            step=position.global_step,
-            tensorboard=config.tensorboard,
-        )
-
-    saver = _checkpoint.BackgroundSaver()
-
-    def save_checkpoint(running: RunningMean, started: float) -> None:
-        processes = process_states(launch, device, running)
-        if launch.rank != 0:
-            return
-        saver.save(
-            {
-                "format": _checkpoint.FORMAT,
-                "epoch": position.epoch,
-                "step": position.step,
-                "global_step": position.global_step,
-                "epoch_seconds": time.perf_counter() - started if position.step else 0.0,
-                "loss": loss,
-                "run": run_settings(config, launch),
-                "model": model.state_dict(),
-                "optimizer": optimizer.state_dict(),
-                "scaler": None if scaler is None else scaler.state_dict(),
-                "processes": processes,
-            },
-            config.checkpoint,
-        )
-
+    trainer = Trainer(config, launch, device, resumed, sys.stderr if log is None else log, stop)
     try:
-        while position.epoch < config.epochs:
-            if mine is not None and position.step:
-                running = RunningMean(device, mine["loss"])
-            else:
-                running, elapsed = RunningMean(device), 0.0
-            started = time.perf_counter() - elapsed
-            if progress is not None:
-                progress.start_epoch(position.epoch + 1, elapsed)
-            batches.set_position(position.epoch, position.step)
-            network.train()
-            for batch_inputs, batch_labels in data:
-                batch_inputs = batch_inputs.to(device, non_blocking=True)
-                batch_labels = batch_labels.to(device, non_blocking=True)
-                with autocast:
-                    batch_loss = F.cross_entropy(network(batch_inputs), batch_labels)
-                optimizer.zero_grad(set_to_none=True)
-                if scaler is None:
-                    batch_loss.backward()
-                    optimizer.step()
-                else:
-                    scaler.scale(batch_loss).backward()
-                    scaler.step(optimizer)
-                    scaler.update()
-                running.add(batch_loss, batch_labels.shape[0])
-                position.step += 1
-                position.global_step += 1
-                if progress is not None:
-                    progress.update(position.step, running.count * launch.world_size, running.value)
-                if (
-                    config.checkpoint_every is not None
-                    and position.global_step % config.checkpoint_every == 0
-                    and position.step < steps
-                ):
-                    save_checkpoint(running, started)
-            totals = torch.stack(
-                [running.total(), torch.tensor(float(running.count), device=device).double()]
-            )
-            if launch.torchrun:
-                dist.all_reduce(totals)
-            loss = (totals[0] / totals[1]).item()
-            seconds = time.perf_counter() - started
-            samples = int(totals[1].item())
-            position.epoch, position.step, mine = position.epoch + 1, 0, None
-            if metrics is not None:
-                metrics.write(
-                    EpochMetrics(
-                        epoch=position.epoch,
-                        step=position.global_step,
-                        loss=loss,
-                        samples_per_s=round(samples / seconds, 1),
-                        lr=optimizer.param_groups[0]["lr"],
-                        seconds=round(seconds, 4),
-                    )
-                )
-            save_checkpoint(running, started)
-            if progress is not None:
-                progress.end_epoch(samples, loss)
+        while trainer.position.epoch < config.epochs:
+            trainer.begin_epoch()
+            for inputs, labels in trainer.data:
+                trainer.step(inputs, labels)
+                if trainer.position.step < trainer.steps:  # the epoch's last step ends below
+                    trainer.checkpoint_if_due()
+                    trainer.stop_if_signalled()
+            trainer.end_epoch()
+            if trainer.position.epoch < config.epochs:
+                trainer.stop_if_signalled()
     finally:
-        saver.wait()
-        if metrics is not None:
-            metrics.close()
-    return loss
+        trainer.close()
+    return trainer.loss
 
 
 def _number(kind: type[int] | type[float], text: str, *, zero: bool) -> Any:
@@ -661,36 +759,70 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def resume_command(config: Config, launch: Launch) -> str:
+    """The command line that continues this run: its settings that differ from the
+    defaults, ``--run-dir`` and ``--resume``, behind the same launcher."""
+    args = []
+    for field in dataclasses.fields(Config):
+        value = getattr(config, field.name)
+        if field.name in ("run_dir", "resume") or value == field.default:
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        args += [flag] if value is True else [flag, str(value)]
+    args += ["--run-dir", str(config.run_dir), "--resume"]
+    module = f"{PACKAGE}.train"
+    if not launch.torchrun:
+        return f"{command_name(module)} {shlex.join(args)}"
+    if launch.world_size != launch.local_world_size:  # several nodes: their rendezvous
+        return f"torchrun with this job's options on every node, -m {module} {shlex.join(args)}"
+    launcher = f"torchrun --standalone --nproc_per_node {launch.local_world_size}"
+    return f"{launcher} -m {module} {shlex.join(args)}"
+
+
+@reports_errors(f"{PACKAGE}.train")
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     config = Config(**vars(parser.parse_args(argv)))
     launch = Launch.from_environment()
-    try:
-        if config.tensorboard and (missing := tensorboard_missing()) is not None:
-            raise UsageError(f"argument --tensorboard: {missing}")
-        device = resolve_device(config.device, launch)
-        check_precision(config.precision, device)
-        config = prepare_run_dir(config, launch)
-        resumed = load_resumable(config, launch, device, sys.stderr) if config.resume else None
-    except UsageError as error:
-        parser.error(str(error))
-    if resumed is not None and resumed["epoch"] >= config.epochs:
+    with contextlib.ExitStack() as held:
+        try:
+            if config.tensorboard and (missing := tensorboard_missing()) is not None:
+                raise UsageError(f"argument --tensorboard: {missing}")
+            device = resolve_device(config.device, launch)
+            check_precision(config.precision, device)
+            config = prepare_run_dir(config, launch, held)
+            resumed = load_resumable(config, launch, device, sys.stderr) if config.resume else None
+        except UsageError as error:
+            parser.error(str(error))
+        return run(config, launch, device, resumed)
+
+
+def run(config: Config, launch: Launch, device: torch.device, resumed: TrainingState | None) -> int:
+    """Train as `main` was asked to, in this process's place of the launch; the exit status."""
+    if resumed is not None:
+        if resumed.position.epoch >= config.epochs:
+            if launch.rank == 0:
+                print(
+                    f"{config.checkpoint} has already trained {resumed.position.epoch} epochs; "
+                    "nothing to do"
+                )
+            return 0
         if launch.rank == 0:
-            print(
-                f"{config.checkpoint} has already trained {resumed['epoch']} epochs; nothing to do"
-            )
-        return 0
+            steps = len(epoch_batches(config, launch))
+            print(f"resumed {config.run_dir} at {where(resumed.position, steps)}", flush=True)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if launch.torchrun:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         dist.init_process_group(backend)
     try:
-        loss = train(config, launch, device, resumed)
-    except KeyboardInterrupt:
+        with stop_signals() as stop:
+            loss = train(config, launch, device, resumed, stop=stop)
+    except Stopped as stopped:
         if launch.rank == 0:
-            print(f"interrupted; the last checkpoint is {config.checkpoint}", file=sys.stderr)
-        return 130
+            print(stopped, file=sys.stderr)
+            print(f"resume with: {resume_command(config, launch)}", file=sys.stderr)
+        return stopped.status
     finally:
         if launch.torchrun:
             # DDP's reducer sits in reference cycles: collect it while the process group
@@ -698,10 +830,12 @@ def main(argv: list[str] | None = None) -> int:
             gc.collect()
             dist.destroy_process_group()
     if launch.rank == 0:
-        where = str(device)
+        hardware = str(device)
         if launch.torchrun:
-            where = f"{launch.world_size} processes on {device.type} ({backend})"
-        print(f"trained {config.epochs} epochs on {where}: loss {loss:.4f}, run {config.run_dir}")
+            hardware = f"{launch.world_size} processes on {device.type} ({backend})"
+        print(
+            f"trained {config.epochs} epochs on {hardware}: loss {loss:.4f}, run {config.run_dir}"
+        )
     return 0
 
 

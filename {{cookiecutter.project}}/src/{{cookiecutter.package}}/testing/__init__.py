@@ -4,11 +4,11 @@
 <package>.testing.plugin`` in ``addopts``): hooks and fixtures, thin, importing each
 check only when its fixture is used. The checks, each behind the fixture of its
 name and each a plain function too, are peers: ``gradcheck``, ``determinism``
-(``autograd_determinism``), ``compile_check``, ``export_check`` and ``decisions``
-(``pytest --decisions``). They import the modules of :data:`SHARED_FLOOR` and never
-each other (``tests/test_architecture.py`` checks it). ARCHITECTURE.md at the
-project's root says which module does what. Importing this package does not import
-torch.
+(``autograd_determinism``), ``compile_check``, ``export_check``, ``training_check``,
+``ddp_check`` and ``decisions`` (``pytest --decisions``). They import the modules of
+:data:`SHARED_FLOOR` and never each other (``tests/test_architecture.py`` checks it).
+ARCHITECTURE.md at the project's root says which module does what. Importing this
+package does not import torch.
 """
 
 __all__ = ["SHARED_FLOOR"]
@@ -25,6 +25,7 @@ SHARED_FLOOR = frozenset(
         "float64",  # a forward kept in float64 end to end
         "global_state",  # torch's process-wide settings and RNGs: snapshot, compare, restore
         "naming",  # names of callables, inputs and tensor elements in reports
+        "parameter_use",  # parameters a forward reaches, and the decisions that decide it
         "parts",  # the autograd Functions and submodule calls of one forward, with their inputs
         "runs",  # one forward and backward, its cotangents and typed results
         "subject",  # the model or function under test and the state each run starts from

@@ -14,7 +14,8 @@ This module holds what they share about that call:
 - :func:`reject_data_less`: a ``ValueError`` for meta or fake tensors, which hold no
   values to check;
 - :func:`reentrant_checkpoint`: whether a graph holds a reentrant
-  ``torch.utils.checkpoint``, which ``torch.autograd.grad`` cannot differentiate.
+  ``torch.utils.checkpoint``, which ``torch.autograd.grad`` cannot differentiate;
+  :func:`graph_nodes` walks a graph.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from .naming import input_names
 __all__ = [
     "REENTRANT_CHECKPOINT",
     "forward_kwargs_of",
+    "graph_nodes",
     "input_sets",
     "reached_modules",
     "reentrant_checkpoint",
@@ -230,8 +232,8 @@ def reject_data_less(check: str, named_tensors: Iterable[tuple[str, torch.Tensor
         )
 
 
-def reentrant_checkpoint(outputs: Iterable[Any]) -> bool:
-    """Whether the autograd graph of ``outputs`` holds a reentrant checkpoint."""
+def graph_nodes(outputs: Iterable[Any]) -> Iterator[Any]:
+    """Each node of the autograd graph behind the tensors of ``outputs``, once."""
     pending = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor)]
     visited: set[int] = set()
     while pending:
@@ -239,7 +241,12 @@ def reentrant_checkpoint(outputs: Iterable[Any]) -> bool:
         if node is None or id(node) in visited:
             continue
         visited.add(id(node))
-        if node.name().startswith("CheckpointFunctionBackward"):
-            return True
+        yield node
         pending.extend(next_node for next_node, _ in node.next_functions)
-    return False
+
+
+def reentrant_checkpoint(outputs: Iterable[Any]) -> bool:
+    """Whether the autograd graph of ``outputs`` holds a reentrant checkpoint."""
+    return any(
+        node.name().startswith("CheckpointFunctionBackward") for node in graph_nodes(outputs)
+    )

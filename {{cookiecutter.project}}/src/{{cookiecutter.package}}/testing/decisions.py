@@ -128,10 +128,14 @@ class Site:
         else:
             data["outcomes"] = {
                 "count": self.count,
-                "min": self.minimum if self.count else None,
-                "max": self.maximum if self.count else None,
+                "min": _json_number(self.minimum) if self.count else None,
+                "max": _json_number(self.maximum) if self.count else None,
                 "distinct": len(self.distinct),
-                "distinct_values": sorted(self.distinct) if not self.distinct_overflow else None,
+                "distinct_values": (
+                    [_json_number(value) for value in sorted(self.distinct)]
+                    if not self.distinct_overflow
+                    else None
+                ),
             }
         return data
 
@@ -146,9 +150,9 @@ class Site:
         else:
             site.count = outcomes["count"]
             if site.count:
-                site.minimum, site.maximum = outcomes["min"], outcomes["max"]
+                site.minimum, site.maximum = float(outcomes["min"]), float(outcomes["max"])
             values = outcomes["distinct_values"]
-            site.distinct = set(values) if values is not None else set()
+            site.distinct = {float(value) for value in values} if values is not None else set()
             site.distinct_overflow = values is None
         return site
 
@@ -162,6 +166,12 @@ def _numbers(value: Any) -> Iterator[float]:
     elif isinstance(value, list | tuple):
         for entry in value:
             yield from _numbers(entry)
+
+
+def _json_number(number: float) -> float | str:
+    """``number``, or "nan", "inf", "-inf" (which `float` reads back): JSON has no
+    NaN or infinity, and strict parsers (jq, JavaScript) reject Python's ``NaN``."""
+    return number if math.isfinite(number) else str(number)
 
 
 def _number_text(number: float) -> str:

@@ -29,6 +29,10 @@ by side each use their own copy.
   backward, with every graph break and recompilation traced to the user's line) and
   ``export_check`` (``torch.export`` against eager, and the rewrite that makes a
   data-dependent model exportable).
+- The fixtures ``training_check`` (a few real optimizer steps on one batch: every
+  parameter gets a gradient, is held by the optimizer and changes, the loss falls) and
+  ``ddp_check`` (the model under real DistributedDataParallel in N processes: unused
+  parameters, mismatched collectives and ranks that disagree, named by the decision).
 
 The hooks are thin: the decisions live in :mod:`..gpus` and :mod:`.global_state`.
 Loading this module does not import torch.
@@ -41,7 +45,6 @@ import gc
 import json
 import os
 import re
-import tempfile
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -51,6 +54,7 @@ from typing import Any
 import pytest
 
 from .. import gpus
+from .._files import FileError, write_atomically
 from . import global_state
 
 __all__ = [
@@ -489,6 +493,7 @@ class _DecisionHooks:
         self.coverage = coverage
         self.json_file = json_file
         self.strict = strict
+        self.json_error: FileError | None = None  # reported in the summary, not as a crash
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item) -> Iterator[None]:
@@ -507,7 +512,11 @@ class _DecisionHooks:
             config.workeroutput[_DECISIONS_OUTPUT] = self.coverage.to_json()["sites"]
             return
         if self.json_file is not None:
-            _write_atomically(self.json_file, json.dumps(self.coverage.to_json(), indent=2))
+            report = json.dumps(self.coverage.to_json(), indent=2, allow_nan=False)
+            try:
+                write_atomically(self.json_file, report, durable=False)  # a report
+            except FileError as error:
+                self.json_error = error
         if self.strict and self.coverage.one_sided() and session.exitstatus == 0:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -528,20 +537,10 @@ class _DecisionHooks:
                 missing = site.missing_outcomes
                 never = "never reached" if len(missing) == 2 else f"never {missing[0]}"
                 terminalreporter.write_line(f"  {site.path}:{site.line}: {never}", red=True)
-        if self.json_file is not None:
+        if self.json_error is not None:
+            terminalreporter.write_line(f"--decisions-json: {self.json_error}", red=True)
+        elif self.json_file is not None:
             terminalreporter.write_line(f"decision report written to {self.json_file}")
-
-
-def _write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that a reader sees the old file or the whole new one."""
-    descriptor, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as stream:
-            stream.write(text)
-        os.replace(temporary, path)
-    except BaseException:
-        os.unlink(temporary)
-        raise
 
 
 class _XdistHooks:
@@ -865,3 +864,43 @@ def export_check(request: pytest.FixtureRequest) -> Callable[..., Any]:
     from .export_check import summary
 
     return _reporting(request, "export_check", check, summary)
+
+
+@pytest.fixture
+def training_check(request: pytest.FixtureRequest) -> Callable[..., Any]:
+    """``training_check(model, (inputs, targets), /, loss_fn, optimizer=None, steps=5,
+    accumulation_steps=None, ...)``.
+
+    Runs ``steps`` real optimizer steps on the one batch, each from the same RNG states,
+    and puts the model, ``.grad``, the optimizer's state and the RNGs back. Fails
+    naming the parameters never given a gradient (with the branch decision that would
+    give them one), those the optimizer does not hold, those that got a gradient and
+    did not change, the first NaN or inf (step, tensor, the op at the user's line), a
+    loss that does not fall, and accumulated micro-batch gradients that are not the
+    whole batch's. With ``-v`` each check writes its report. See
+    :func:`.training_check.training_check`.
+    """
+    from .training_check import training_check as check
+
+    return _reporting(request, "training_check", check)
+
+
+@pytest.fixture
+def ddp_check(request: pytest.FixtureRequest) -> Callable[..., Any]:
+    """``ddp_check(model_or_fn, /, *inputs_per_rank, world_size=None, backend="gloo",
+    steps=3, find_unused_parameters=None, static_graph=None, timeout=60.0, ...)``.
+
+    Trains the model under real ``DistributedDataParallel`` in one process per batch
+    (gloo on the CPU, NCCL on GPUs when asked), against one process on the batches
+    concatenated; this process never joins the group, and every process it starts is
+    ended whatever happens. Fails naming parameters unused on some ranks (the decision
+    and each rank's outcome, and what ``find_unused_parameters=True`` costs here),
+    collectives called differently per rank (the line, each rank's count), ranks that
+    decide differently on the same samples, gradients that differ from one process,
+    and a rank that raised, died or hung. With ``-v`` each check writes its report:
+    the decisions per rank, whether ``find_unused_parameters`` is needed and
+    ``static_graph=True`` safe. See :func:`.ddp_check.ddp_check`.
+    """
+    from .ddp_check import ddp_check as check
+
+    return _reporting(request, "ddp_check", check)

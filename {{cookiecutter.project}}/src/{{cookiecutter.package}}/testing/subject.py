@@ -57,7 +57,9 @@ class Subject:
     """The model or function under test, with the state every run starts from.
 
     ``failure`` is the check's own failure class: what the subject raises names the
-    check that runs it.
+    check that runs it. ``trains=True`` is for a check that changes the trainable
+    parameters on purpose (optimizer steps): they are copied too, and :meth:`reset`
+    puts their values back.
     """
 
     def __init__(
@@ -67,6 +69,7 @@ class Subject:
         kwargs: dict[str, Any],
         *,
         failure: type[CheckFailure],
+        trains: bool = False,
     ) -> None:
         __tracebackhide__ = True
         self.target = target
@@ -86,6 +89,7 @@ class Subject:
         # so they are compared by value. Trainable parameters are not copied, which
         # would cost as much as a backward's gradients: autograd refuses in-place
         # changes to them, and the ones made anyway (under no_grad) bump the counter.
+        # A check that trains changes them on purpose, so it pays for the copies.
         self._parameter_state: list[Slot] = []
         self._buffer_state: list[Slot] = []
         self.parameters: list[tuple[str, torch.Tensor]] = []
@@ -101,7 +105,9 @@ class Subject:
                     name = f"{prefix}.{key}" if prefix else key
                     if id(tensor) not in copies:
                         trainable = isinstance(tensor, nn.Parameter) and tensor.requires_grad
-                        copies[id(tensor)] = None if trainable else tensor.detach().clone()
+                        copies[id(tensor)] = (
+                            None if trainable and not trains else tensor.detach().clone()
+                        )
                         if trainable:
                             self.parameters.append((name, tensor))
                     slots.append(Slot(tensors, key, name, tensor, copies[id(tensor)]))

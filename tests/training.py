@@ -1,0 +1,112 @@
+"""What the tests of the generated ``train`` share: running it (alone or under torchrun),
+reading what it wrote, and comparing two runs bit for bit."""
+
+from __future__ import annotations
+
+import csv
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import DEFAULT_PACKAGE, module_environment, run_module
+
+TRAIN = f"{DEFAULT_PACKAGE}.train"
+# Small enough for seconds per run, large enough for several steps per epoch (32).
+SMALL = ("--device", "cpu", "--samples", "1024", "--batch-size", "32")
+EPOCHS = "3"
+
+
+def train(project: Path, *args: str, env: dict[str, str] | None = None):
+    return run_module(project, TRAIN, *args, env=env)
+
+
+def train_in_background(project: Path, *args: str, path: tuple[Path, ...] = ()) -> subprocess.Popen:
+    """``train`` started, its stderr to read (`wait_for_line`), ``path`` first on PYTHONPATH."""
+    return subprocess.Popen(
+        [sys.executable, "-m", TRAIN, *args],
+        env=module_environment(project, path=path),
+        stderr=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        text=True,
+    )
+
+
+def uninterrupted(project: Path, directory: Path) -> Path:
+    """``directory`` after an uninterrupted run of SMALL for EPOCHS epochs (no workers),
+    the run that interrupted ones are compared with."""
+    result = train(project, *SMALL, "--epochs", EPOCHS, "--run-dir", str(directory))
+    assert result.returncode == 0, result.stderr
+    return directory
+
+
+def checkpoint(directory: Path) -> dict:
+    return torch.load(directory / "latest.pt", weights_only=True)
+
+
+def metrics(directory: Path) -> list[dict[str, str]]:
+    with (directory / "metrics.csv").open(newline="") as file:
+        return list(csv.DictReader(file))
+
+
+def reproducible(rows: list[dict[str, str]]) -> list[tuple[str, ...]]:
+    """The columns of metrics.csv that do not depend on timing."""
+    return [(row["epoch"], row["step"], row["loss"], row["lr"]) for row in rows]
+
+
+def assert_bitwise_equal(actual: dict, expected: dict) -> None:
+    """Same position, loss, weights and optimizer state, bit for bit."""
+    assert (actual["epoch"], actual["step"], actual["global_step"], actual["loss"]) == (
+        expected["epoch"],
+        expected["step"],
+        expected["global_step"],
+        expected["loss"],
+    )
+    assert actual["model"].keys() == expected["model"].keys()
+    for name, tensor in expected["model"].items():
+        assert torch.equal(actual["model"][name], tensor), f"weight {name} differs"
+    for index, state in expected["optimizer"]["state"].items():
+        for key, tensor in state.items():
+            assert torch.equal(actual["optimizer"]["state"][index][key], tensor), (index, key)
+
+
+def wait_for_line(process: subprocess.Popen, text: str) -> list[str]:
+    """Read the process's stderr up to the line containing ``text``; the lines read."""
+    lines = []
+    for line in process.stderr:
+        lines.append(line)
+        if text in line:
+            return lines
+    pytest.fail(
+        f"the run ended (exit {process.wait()}) before printing {text!r}:\n{''.join(lines)}"
+    )
+
+
+def plant(directory: Path, source: str) -> Path:
+    """A folder with a ``sitecustomize.py`` holding ``source``, for PYTHONPATH."""
+    directory.mkdir()
+    (directory / "sitecustomize.py").write_text(textwrap.dedent(source))
+    return directory
+
+
+def usage_error(train_module, capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        train_module.main(list(argv))
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert lines[0].startswith(f"usage: python -m {DEFAULT_PACKAGE}.train ")
+    assert "Traceback" not in "\n".join(lines)
+    prefix = f"python -m {DEFAULT_PACKAGE}.train: error: "
+    assert lines[-1].startswith(prefix)
+    return lines[-1].removeprefix(prefix)
+
+
+def torchrun(project: Path, *args: str, path: tuple[Path, ...] = (), **variables: str):
+    """``torchrun --standalone`` with 2 CPU processes talking gloo over the loopback device."""
+    environ = module_environment(
+        project, path=path, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", **variables
+    )
+    command = ("torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", TRAIN)
+    return run_module(project, *command, *args, env=environ)
