@@ -44,6 +44,11 @@ from torch.testing._internal.common_methods_invocations import (  # noqa: E402
     op_db,
 )
 
+# Importing torch's test utilities freezes the cuDNN and other backend flags for the
+# whole process (torch.backends.disable_global_flags(), for torch's own test suite):
+# other tests in the same process set them, so they are thawed again.
+torch.backends.flags_frozen.__globals__["__allow_nonbracketed_mutation_flag"] = True
+
 # Above this many elements the fixture's default picks fast mode; torch's check of the
 # same sample runs in the same mode.
 FAST_MODE_ABOVE = 2048
