@@ -10,11 +10,8 @@ plain function; the sessions are real ``pytest -n 2`` runs with real workers.
 
 from __future__ import annotations
 
-import importlib
 import os
-from pathlib import Path
 
-import pytest
 from conftest import DEFAULT_PACKAGE, PLUGIN_MODULE
 
 WORKER_TEST = """
@@ -38,36 +35,42 @@ def pytest_addoption(parser):
 """
 
 
-@pytest.fixture
-def plugin(default_project: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.syspath_prepend(str(default_project / "src"))
-    return importlib.import_module(f"{DEFAULT_PACKAGE}.testing.plugin")
+DECISIONS = """
+import pytest
+from {package}.testing.plugin import worker_threads
+
+
+@pytest.mark.parametrize(
+    ("setting", "cores", "workers", "environ", "threads"),
+    [
+        ("auto", 2, 2, {{}}, 1),
+        ("auto", 16, 3, {{}}, 5),
+        ("auto", 4, 8, {{}}, 1),  # more workers than cores: still one each
+        ("auto", 16, 2, {{"OMP_NUM_THREADS": "4"}}, None),  # the user's own setting wins
+        ("3", 16, 2, {{"OMP_NUM_THREADS": "4"}}, 3),  # ... unless the ini option names a number
+        ("off", 16, 2, {{}}, None),
+    ],
+)
+def test_threads_per_worker(setting, cores, workers, environ, threads):
+    decision = worker_threads(setting, cores, workers, environ)
+    assert decision.threads == threads
+    assert str(decision).startswith("torch threads per xdist worker: ")
+
+
+def test_a_bad_setting_names_the_option():
+    with pytest.raises(pytest.UsageError, match="torch_worker_threads = 'many' is not allowed"):
+        worker_threads("many", 2, 2, {{}})
+"""
 
 
 def cores() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
-@pytest.mark.parametrize(
-    ("setting", "cores", "workers", "environ", "threads"),
-    [
-        ("auto", 2, 2, {}, 1),
-        ("auto", 16, 3, {}, 5),
-        ("auto", 4, 8, {}, 1),  # more workers than cores: still one each
-        ("auto", 16, 2, {"OMP_NUM_THREADS": "4"}, None),  # the user's own setting wins
-        ("3", 16, 2, {"OMP_NUM_THREADS": "4"}, 3),  # ... unless the ini option names a number
-        ("off", 16, 2, {}, None),
-    ],
-)
-def test_threads_per_worker(plugin, setting, cores, workers, environ, threads):
-    decision = plugin.worker_threads(setting, cores, workers, environ)
-    assert decision.threads == threads
-    assert str(decision).startswith("torch threads per xdist worker: ")
-
-
-def test_a_bad_setting_names_the_option(plugin):
-    with pytest.raises(pytest.UsageError, match="torch_worker_threads = 'many' is not allowed"):
-        plugin.worker_threads("many", 2, 2, {})
+def test_the_share_is_a_plain_function_of_the_setting_cores_and_workers(plugin_pytester):
+    plugin_pytester.makepyfile(test_decisions=DECISIONS.format(package=DEFAULT_PACKAGE))
+    result = plugin_pytester.runpytest_subprocess("-p", PLUGIN_MODULE, "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=7)
 
 
 def test_each_worker_gets_its_share_and_the_header_says_so(plugin_pytester, monkeypatch):
