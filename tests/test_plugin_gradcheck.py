@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch._dynamo  # noqa: F401
 from conftest import DEFAULT_PACKAGE, PLUGIN_MODULE
 
 # torch.utils.checkpoint imports torch._dynamo on first use. Imported here first, it

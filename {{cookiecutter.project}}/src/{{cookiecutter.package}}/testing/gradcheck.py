@@ -612,16 +612,7 @@ class _Localization:
                     slow_cost = 2 * sum(c.numel for c in part.checked) + 2
                     if not fast and slow_cost > self.budget - self.evaluations - part.evaluations:
                         break
-                    check = _Check(
-                        part,
-                        fast=fast,
-                        reason="a part checked on its own",
-                        eps=self.check.eps,
-                        atol=self.check.atol,
-                        rtol=self.check.rtol,
-                    )
-                    check.part = True
-                    check.run(1)
+                    self._check(part, fast=fast, reason="a part checked on its own", part=True)
         except WrongGradient as failure:
             return failure
         except Exception:  # the part cannot be checked on its own: no verdict
@@ -631,6 +622,19 @@ class _Localization:
                 share = sum(c.numel for c in part.checked) / self.elements
                 self.part_evaluations += part.evaluations * min(1.0, max(share, _SMALLEST_SHARE))
         return None
+
+    def _check(self, problem: _Problem, *, fast: bool, reason: str, part: bool = False) -> None:
+        """First order of ``problem`` with the failing check's step and tolerances."""
+        check = _Check(
+            problem,
+            fast=fast,
+            reason=reason,
+            eps=self.check.eps,
+            atol=self.check.atol,
+            rtol=self.check.rtol,
+        )
+        check.part = part
+        check.run(1)
 
     def _hook(self, failure: WrongGradient) -> ErrorSource | None:
         """The wrong parameter's gradient hooks, when the check passes without them."""
@@ -643,14 +647,7 @@ class _Localization:
         problem.hooks_enabled = False
         try:
             with problem.installed():
-                _Check(
-                    problem,
-                    fast=True,
-                    reason="the model without its gradient hooks",
-                    eps=self.check.eps,
-                    atol=self.check.atol,
-                    rtol=self.check.rtol,
-                ).run(1)
+                self._check(problem, fast=True, reason="the model without its gradient hooks")
         except Exception:  # still wrong without them (or not checkable): not the hooks
             return None
         finally:
