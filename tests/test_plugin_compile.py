@@ -63,6 +63,128 @@ def both_sides(model):
 
 def state_of(module):
     return {{name: t.detach().clone() for name, t in module.state_dict().items()}}
+
+
+@torch.library.custom_op("helpers::grouped", mutates_args=())
+def grouped(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows offsets[i-1]:offsets[i] of x times w[i] (a mixture of experts' grouped matmul)."""
+    out, start = x.new_zeros(x.shape[0], w.shape[2]), 0
+    for i, end in enumerate(offsets.tolist()):
+        out[start:end] = x[start:end] @ w[i]
+        start = end
+    return out
+
+
+@grouped.register_fake
+def _(x, w, offsets):
+    return x.new_empty(x.shape[0], w.shape[2])
+
+
+def grouped_backward_loop(x, w, offsets, grad):
+    gx, gw, start = torch.zeros_like(x), torch.zeros_like(w), 0
+    for i, end in enumerate(offsets.tolist()):
+        gx[start:end] = grad[start:end] @ w[i].T
+        gw[i] = x[start:end].T @ grad[start:end]
+        start = end
+    return gx, gw
+
+
+@torch.library.custom_op("helpers::grouped_backward", mutates_args=())
+def grouped_backward(
+    x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return grouped_backward_loop(x, w, offsets, grad)
+
+
+@grouped_backward.register_fake
+def _(x, w, offsets, grad):
+    return torch.empty_like(x), torch.empty_like(w)
+
+
+def save_inputs(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+class Experts(nn.Module):
+    """Three experts' weights applied to the rows each owns, as transformers' MoE does."""
+
+    def __init__(self, backward_is_an_op):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 4, 5))
+        self.backward_is_an_op = backward_is_an_op
+
+    def forward(self, x):
+        offsets = torch.tensor([2, 4, 6])
+        return torch.tanh(grouped(x, self.w, offsets))
+
+
+def backward_in_python(ctx, grad):
+    x, w, offsets = ctx.saved_tensors
+    return (*grouped_backward_loop(x, w, offsets, grad), None)
+
+
+def backward_as_an_op(ctx, grad):
+    x, w, offsets = ctx.saved_tensors
+    return (*grouped_backward(x, w, offsets, grad), None)
+
+
+def experts(backward_is_an_op):
+    grouped.register_autograd(
+        backward_as_an_op if backward_is_an_op else backward_in_python,
+        setup_context=save_inputs,
+    )
+    return seeded(lambda: Experts(backward_is_an_op))
+
+
+class ChildSum(nn.Module):
+    """A tree's node: the sum of its children's encodings; a leaf is a tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.cell = nn.Linear(4, 4)
+
+    def encode(self, node):
+        if isinstance(node, torch.Tensor):
+            return torch.tanh(self.cell(node))
+        return torch.stack([self.encode(child) for child in node]).sum(0)
+
+    def forward(self, tree):
+        return self.encode(tree)
+
+
+def leaves(*counts):
+    return [[torch.randn(4) for _ in range(count)] for count in counts]
+
+
+def fails_to_compile(gm, example_inputs):
+    raise RuntimeError("this backend has no kernel for aten.tanh")
+
+
+def fails_in_forward(gm, example_inputs):
+    def run(*args):
+        raise RuntimeError("the compiled kernel read past the end of its input")
+
+    return run
+
+
+class _LosesGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("the compiled backward lost a gradient")
+
+
+def fails_in_backward(gm, example_inputs):
+    """A backend whose forward is right and whose backward raises."""
+
+    def run(*args):
+        return [_LosesGradient.apply(o) if isinstance(o, torch.Tensor) and o.requires_grad
+                else o for o in gm(*args)]
+
+    return run
 '''
 
 PASSING = """
@@ -177,6 +299,38 @@ def test_export_of_a_plain_function(export_check):
     assert isinstance(program, torch.export.ExportedProgram)
 
 
+def test_a_break_is_listed_once_at_its_cause_and_goes_when_the_backward_is_an_op(compile_check):
+    torch.manual_seed(0)
+    x = torch.randn(6, 4, requires_grad=True)
+    (found,) = compile_check(experts(False), x, backend="aot_eager").graph_breaks
+    assert found.source == "for i, end in enumerate(offsets.tolist()):"
+    assert found.location.line == grouped_backward_loop.__code__.co_firstlineno + 2
+    assert (found.kind, found.gb_id) == ("Backend compiler exception", "GB0219")
+    assert "torch.library.custom_op" in found.rewrite and found.hint is None
+    assert "cannot resume" not in str(found)
+    assert compile_check(experts(True), x, backend="aot_eager").graph_breaks == ()
+
+
+def test_a_trees_recompiles_in_words(compile_check):
+    torch.manual_seed(0)
+    result = compile_check(ChildSum(), inputs_list=[(leaves(2, 1),), (leaves(3, 1),)],
+                           backend="aot_eager")
+    guards = [r.guard for r in result.recompiles]
+    assert guards == [
+        "the length of tree[0] was 2 when compiled and is not now: torch.compile unrolls Python "
+        "loops over a list, tuple or dict, so each new length compiles again"
+    ]
+    assert compile_check(ChildSum(), inputs_list=[(leaves(2, 1),), (leaves(2, 1),)],
+                         backend="aot_eager", max_recompiles=0).recompiles == ()
+
+
+def test_the_suggested_dynamic_shapes_export(export_check):
+    program = export_check(torch.nn.Linear(8, 2),
+                           inputs_list=[(torch.randn(4, 8),), (torch.randn(5, 8),)],
+                           dynamic_shapes={{"input": {{0: torch.export.Dim.DYNAMIC}}}})
+    assert isinstance(program, torch.export.ExportedProgram)
+
+
 def test_inductor_on_a_small_function(compile_check):
     x = torch.randn(16, requires_grad=True)
     result = compile_check(lambda x: torch.tanh(x) * x.sigmoid(), x, backend="inductor")
@@ -185,7 +339,7 @@ def test_inductor_on_a_small_function(compile_check):
 
 FAILING = """
 import torch
-from {package} import DynamicNet, MeanGatedNet, PerSampleNet, forward_with_condition
+from {package} import CondGatedNet, DynamicNet, MeanGatedNet, PerSampleNet, forward_with_condition
 from helpers import *
 
 
@@ -246,6 +400,23 @@ def test_bad_budget(compile_check):
 
 def test_export_unknown_keyword(export_check):
     export_check(torch.sin, torch.randn(3), backend="aot_eager")
+
+
+def test_compiled_backward_fails(compile_check):
+    torch.manual_seed(0)
+    compile_check(MeanGatedNet(), torch.randn(4, 8), backend=fails_in_backward)
+
+
+def test_compiled_forward_fails(compile_check):
+    compile_check(MeanGatedNet(), torch.randn(4, 8), backend=fails_in_forward)
+
+
+def test_compiling_fails(compile_check):
+    compile_check(CondGatedNet(), torch.randn(4, 8), backend=fails_to_compile)
+
+
+def test_eager_error_is_the_models_own(compile_check):
+    compile_check(MeanGatedNet(), torch.randn(4, 5), backend=fails_in_backward)
 """
 
 COND_REWRITE = (
@@ -262,12 +433,17 @@ EXPECTED_FAILURES = {
         "E*also differ: grad of linear.weight, grad of linear.bias",
     ],
     "test_graph_break_budget": [
-        "E*TooManyGraphBreaks: 1 graph breaks, more than max_graph_breaks=0:",
-        "E*graph break at *models.py:*: `if h.mean() > 0:`: Data-dependent branching*"
-        "(decision Tensor.__bool__)",
+        "E*TooManyGraphBreaks: a graph break, and max_graph_breaks=0 allows none (torch.compile "
+        "stopped at it: torch._dynamo.error_on_graph_break):",
+        "E*graph break at *models.py:*: `if h.mean() > 0:`: Data-dependent branching (GB0170): "
+        "Dynamo does not support tracing dynamic control flow. (decision Tensor.__bool__)",
+        "E*torch's hint: *",
+        "E*Rewrite the branch with torch.cond*",
+        COND_REWRITE,
     ],
     "test_recompile_budget": [
-        "E*TooManyRecompiles: 1 recompilations, more than max_recompiles=0:",
+        "E*TooManyRecompiles: a recompilation for input set 1, and max_recompiles=0 allows none "
+        "(torch.compile stopped at it: torch.compiler.set_stance('fail_on_recompile')):",
         "E*recompiled forward_with_condition at *models.py:*: `if x.mean() > threshold:`: the "
         "Python value threshold was 0.5 when compiled and is not now*",
     ],
@@ -308,8 +484,11 @@ EXPECTED_FAILURES = {
         "a loop count or a branch*",
     ],
     "test_exported_program_refuses_another_shape": [
-        "E*ExportCheckFailure: The program exported from Linear refused input set 1: Guard "
-        "failed: input.size()[0] == 4. * for other sizes pass dynamic_shapes *",
+        "E*ProgramRefused: The program exported from Linear refused input set 1: input input has "
+        "5 in dimension 0; the program was exported with 4 there (torch: Guard failed: "
+        "input.size()[0] == 4)",
+        "E*to accept every input set's sizes, export with",
+        "E*dynamic_shapes={'input': {0: torch.export.Dim.DYNAMIC}}",
     ],
     "test_bad_backend": [
         "E*ValueError: compile_check: backend='inductr' is not a torch.compile backend; *inductor*"
@@ -330,7 +509,37 @@ EXPECTED_FAILURES = {
         "E*TypeError: export_check() got unknown keyword argument(s) 'backend': its options are "
         "forward_kwargs, inputs_list, dynamic_shapes, strict; *"
     ],
+    "test_compiled_backward_fails": [
+        "E*CompiledRunFailed: torch.compile (backend fails_in_backward) failed in the compiled "
+        "backward of input set 0; eager PyTorch ran the same forward and backward without error, "
+        "so this is torch.compile's failure, not the model's:",
+        "E*RuntimeError: the compiled backward lost a gradient",
+        "E*the backward of the op made at:",
+        "E*at helpers.py:*: `return [_LosesGradient.apply(o) if *`",
+    ],
+    "test_compiled_forward_fails": [
+        "E*CompiledRunFailed: torch.compile (backend fails_in_forward) failed in the compiled "
+        "forward of input set 0; eager PyTorch ran the same forward and backward without error*",
+        "E*RuntimeError: the compiled kernel read past the end of its input",
+        "E*at helpers.py:*: `raise RuntimeError(*`",
+    ],
+    "test_compiling_fails": [
+        "E*CompiledRunFailed: torch.compile (backend fails_to_compile) failed while compiling the "
+        "forward of input set 0; *",
+        "E*RuntimeError: this backend has no kernel for aten.tanh",
+    ],
+    "test_eager_error_is_the_models_own": [
+        "E*RuntimeError: mat1 and mat2 shapes cannot be multiplied (4x5 and 8x8)",
+        "E*compile_check: the eager run (without torch.compile) raised this, so it is the model's "
+        "own error, not torch.compile's",
+    ],
 }
+# Export refusals report neither torch's log records nor its trace events.
+QUIET = [
+    "test_export_of_a_branch",
+    "test_export_of_item",
+    "test_exported_program_refuses_another_shape",
+]
 
 
 def run_session(pytester: pytest.Pytester, source: str, *args: str) -> pytest.RunResult:
@@ -340,12 +549,12 @@ def run_session(pytester: pytest.Pytester, source: str, *args: str) -> pytest.Ru
 
 def test_models_compile_and_export_as_expected_and_report(plugin_pytester):
     result = run_session(plugin_pytester, PASSING, "-v")
-    result.assert_outcomes(passed=13)
+    result.assert_outcomes(passed=16)
     result.stdout.fnmatch_lines(
         [
             "compile_check MeanGatedNet (backend aot_eager): 3 outputs and gradients match eager "
             "on 1 input set(s); 1 graph break(s), 0 recompile(s); * s",
-            "  graph break at *models.py:*: `if h.mean() > 0:`: Data-dependent branching*",
+            "  graph break at *models.py:*: `if h.mean() > 0:`: Data-dependent branching (GB0170)*",
             "export_check: exported * graph nodes",
         ],
         consecutive=False,
@@ -361,13 +570,23 @@ def test_mismatches_blockers_budgets_and_misuse_fail_with_their_cause(plugin_pyt
         report.fnmatch_lines(
             [line.replace("[", "[[]") for line in EXPECTED_FAILURES[name]], consecutive=False
         )
-        # Neither torch's symbolic-shape text, nor its FX dump, nor its traceback.
+        # Neither torch's symbolic-shape text, nor its FX dump, nor its traceback, nor the
+        # plugin's wrappers.
         for raw in [
             "Could not guard on data-dependent",
             "def forward(self, arg0_1",
             "direct cause",
+            "contextlib.py",
         ]:
             report.no_fnmatch_line(f"*{raw}*")
+    for name in QUIET:
+        for noise in [
+            "*torch.__trace*",
+            "*Unable to find user code*",
+            "*Captured log call*",
+            "*Captured stderr call*",
+        ]:
+            reports[name].no_fnmatch_line(noise)
 
 
 def test_gpu_check_script_dry_run(tmp_path: Path):

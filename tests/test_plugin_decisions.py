@@ -112,7 +112,8 @@ def test_a_branch_tested_on_one_side_is_reported_and_fails_under_strict(plugin_p
         [
             "*= data-dependent decisions =*",
             "Each row is a line of the project's code that turned tensor data into a Python *",
-            "branches count each outcome (an outcome never seen is untested code)*",
+            "branches count each outcome of the condition as written (True: `if not x:` ran its "
+            "body; an outcome never seen is untested code)*",
             "mymodels.py:12: if h.mean() > 0:",
             "    branch: True x1, False x0 (never False)",
             "    reached by 1 test(s): test_one_side.py::test_positive_side",
@@ -235,6 +236,78 @@ def test_bad_paths_are_usage_errors(plugin_pytester, args, message):
     result = plugin_pytester.runpytest_subprocess("-p", PLUGIN_MODULE, *args)
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines([message])
+
+
+CONDITIONS = """
+import torch
+
+
+def cleaned(x):
+    if not torch.isfinite(x).all():
+        x = torch.nan_to_num(x)
+    assert (x > -100).all(), "far too negative"
+    while not (x.abs().sum() < 1):
+        x = x / 2
+    return x
+
+
+def gate(x):
+    if x.sum() > 0:
+        return x * 2
+    return x * 3
+
+
+def positive_root(x):
+    assert (x > 0).all(), "x must be positive"
+    return x.sqrt()
+"""
+
+CONDITION_TESTS = """
+import torch
+from conditions import cleaned, gate, positive_root
+
+
+def test_cleaned():
+    cleaned(torch.tensor([3.0, -1.0]))
+
+
+def test_gate(gradcheck):
+    gradcheck(gate, torch.tensor([1.0, 2.0], dtype=torch.float64, requires_grad=True),
+              branches="all")
+
+
+def test_probe_points_that_fail(gradcheck):
+    gradcheck(positive_root, torch.tensor([1e-7, 1.0], dtype=torch.float64, requires_grad=True))
+"""
+
+
+def test_conditions_count_as_written_and_probes_apart(plugin_pytester):
+    """``if not x:`` counts True when its body ran; gradcheck's finite differences and branch
+    search count at check probes, and a probe point that raised counts nothing."""
+    plugin_pytester.makepyfile(conditions=CONDITIONS, test_conditions=CONDITION_TESTS)
+    result = plugin_pytester.runpytest_subprocess(
+        "-p", PLUGIN_MODULE, "-p", "no:cacheprovider", "--decisions-source", "conditions.py"
+    )
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(
+        [
+            "conditions.py:5: if not torch.isfinite(x).all():",
+            "    branch: True x0, False x1 (never True)",
+            'conditions.py:7: assert (x > -100).all(), "far too negative"',
+            "    branch: True x1, False x0 (never False)",
+            "conditions.py:8: while not (x.abs().sum() < 1):",
+            "    branch: True x3, False x1",
+            "conditions.py:14: if x.sum() > 0:",
+            "    branch: True x1, False x0 (never False); at check probes: True x*, False x*",
+            'conditions.py:20: assert (x > 0).all(), "x must be positive"',
+            # The probe point that raised (a finite difference below 0) counts nothing.
+            "    branch: True x1, False x0 (never False)",
+            "    reached by 1 test(s): test_conditions.py::test_probe_points_that_fail",
+        ]
+    )
+    probed = result.stdout.str().split("conditions.py:14:")[1].split("reached by")[0]
+    assert "; at check probes: True x" in probed
+    assert ", False x0\n" not in probed  # the other side, seen at the branch search's probes
 
 
 COMPILED = """

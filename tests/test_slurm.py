@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import socket
 import time
 from collections.abc import Iterator
@@ -181,7 +182,10 @@ def test_requeue_checkpoints_the_step_reached(requeued: Requeued) -> None:
     checkpoint of step 20, and rank 0's message says how to resume."""
     assert requeued.between["global_step"] >= AT_STEP, requeued.between
     first = requeued.log.split("attempt 2, on n[1-2]")[0]
-    assert "--resume" in first
+    (hint,) = [line for line in first.splitlines() if line.startswith("resume with: ")]
+    run_dir = shlex.quote(str(requeued.run_dir))
+    assert f"slurm <this job's options> --run-dir {run_dir} -- " in hint
+    assert hint.endswith("(a requeued job resumes by itself)")
 
 
 def test_run_folder_on_a_local_disk_is_refused_for_other_machines(

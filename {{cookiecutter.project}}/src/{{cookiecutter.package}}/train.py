@@ -759,18 +759,32 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resume_command(config: Config, launch: Launch) -> str:
+def resume_command(config: Config, launch: Launch, environ: Mapping[str, str] = os.environ) -> str:
     """The command line that continues this run: its settings that differ from the
-    defaults, ``--run-dir`` and ``--resume``, behind the same launcher."""
-    args = []
-    for field in dataclasses.fields(Config):
-        value = getattr(config, field.name)
-        if field.name in ("run_dir", "resume") or value == field.default:
-            continue
-        flag = "--" + field.name.replace("_", "-")
-        args += [flag] if value is True else [flag, str(value)]
-    args += ["--run-dir", str(config.run_dir), "--resume"]
+    defaults, ``--run-dir`` and ``--resume``, behind the same launcher. In a SLURM job,
+    which comes back by itself when requeued, the ``launch slurm`` line that continues
+    the folder in a new job once this one has ended."""
+
+    def flags(*left_out: str) -> list[str]:
+        args = []
+        for field in dataclasses.fields(Config):
+            value = getattr(config, field.name)
+            if field.name in ("run_dir", "resume", *left_out) or value == field.default:
+                continue
+            flag = "--" + field.name.replace("_", "-")
+            args += [flag] if value is True else [flag, str(value)]
+        return args
+
     module = f"{PACKAGE}.train"
+    run_dir = ["--run-dir", str(config.run_dir)]
+    if launch.torchrun and "SLURM_JOB_ID" in environ:
+        # launch slurm sets --device and --resume itself, and takes --run-dir as its own.
+        launcher = command_name(f"{PACKAGE}.launch")
+        return (
+            f"{launcher} slurm <this job's options> {shlex.join(run_dir)} -- "
+            f"{shlex.join(flags('device'))} (a requeued job resumes by itself)"
+        )
+    args = [*flags(), *run_dir, "--resume"]
     if not launch.torchrun:
         return f"{command_name(module)} {shlex.join(args)}"
     if launch.world_size != launch.local_world_size:  # several nodes: their rendezvous

@@ -23,12 +23,16 @@ SHARED_FLOOR = frozenset(
         "control_flow",  # data-dependent decisions recorded, with the user's line
         "failures",  # CheckFailure, the base of every check's failures
         "float64",  # a forward kept in float64 end to end
+        "frames",  # whose code a frame runs; the user's line and the library lines under it
         "global_state",  # torch's process-wide settings and RNGs: snapshot, compare, restore
         "naming",  # names of callables, inputs and tensor elements in reports
         "parameter_use",  # parameters a forward reaches, and the decisions that decide it
         "parts",  # the autograd Functions and submodule calls of one forward, with their inputs
+        "rewrites",  # the rewrite that takes a data-dependent decision out of Python
+        "sources",  # a source file parsed once: nodes, parents, expressions by span
         "runs",  # one forward and backward, its cotangents and typed results
         "subject",  # the model or function under test and the state each run starts from
+        "torch_logs",  # torch's own log records kept out of a check's report
         "trees",  # nested inputs and outputs through torch.utils._pytree
     }
 )

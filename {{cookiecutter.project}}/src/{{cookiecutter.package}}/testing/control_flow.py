@@ -13,17 +13,23 @@ dictionary lookup per torch call and a stack walk per decision.
 
 Two logs of the same computation on the same data must agree decision by
 decision; ``first_divergence(a, b)`` says where they stop agreeing.
+
+A check that evaluates the model at points of its own choosing (gradcheck's
+finite-difference steps and branch search) marks those evaluations with
+:func:`probing`; a decision mode that counts what the tests did asks
+:func:`current_probe` and keeps a probe's decisions apart.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import linecache
 import os
 import sys
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any
 
@@ -39,9 +45,12 @@ __all__ = [
     "DecisionLog",
     "DecisionMode",
     "Location",
+    "Probe",
+    "current_probe",
     "describe_divergence",
     "display_path",
     "first_divergence",
+    "probing",
     "record_decisions",
     "user_location",
     "without_torch_function_modes",
@@ -182,22 +191,79 @@ def record_decisions() -> Iterator[DecisionLog]:
         yield log
 
 
-@contextlib.contextmanager
-def without_torch_function_modes() -> Iterator[None]:
+def without_torch_function_modes() -> _WithoutTorchFunctionModes:
     """Run the block with no torch function mode active, and put them back after it.
 
     ``torch.compile`` and ``torch.export`` trace the torch function modes that are
     active (a test's decision recorder under ``pytest --decisions``, say), so what
-    they compile would be the mode's Python code, not the model's.
+    they compile would be the mode's Python code, not the model's. Used as a
+    decorator (``@without_torch_function_modes()``), its wrapper is hidden from
+    pytest's tracebacks, so a failure's report ends at the check's caller.
     """
-    modes = []
-    while torch._C._len_torch_function_stack():
-        modes.append(torch._C._pop_torch_function_stack())
-    try:
-        yield
-    finally:
-        for mode in reversed(modes):
+    return _WithoutTorchFunctionModes()
+
+
+class _WithoutTorchFunctionModes(contextlib.AbstractContextManager):
+    def __enter__(self) -> None:
+        self._modes = []
+        while torch._C._len_torch_function_stack():
+            self._modes.append(torch._C._pop_torch_function_stack())
+
+    def __exit__(self, *exc_info: object) -> None:
+        for mode in reversed(self._modes):
             torch._C._push_on_torch_function_stack(mode)
+
+    def __call__(self, function: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(function)
+        def without_modes(*args: Any, **kwargs: Any) -> Any:
+            __tracebackhide__ = True
+            with _WithoutTorchFunctionModes():
+                return function(*args, **kwargs)
+
+        return without_modes
+
+
+@dataclass(eq=False)
+class Probe:
+    """One evaluation a check makes at a point of its own choosing, not the test's.
+
+    A decision mode that counts what the tests did hands each decision made during
+    the probe to :meth:`defer`; the actions run when the probe completes, and are
+    dropped when it raises, so a probe point where the model failed never counts.
+    """
+
+    _pending: list[Callable[[], None]] = field(default_factory=list)
+
+    def defer(self, action: Callable[[], None]) -> None:
+        """Run ``action`` once the probe has completed without an exception."""
+        self._pending.append(action)
+
+
+_PROBE: contextvars.ContextVar[Probe | None] = contextvars.ContextVar("probe", default=None)
+
+
+def current_probe() -> Probe | None:
+    """The probe being evaluated on this thread, or ``None`` in the test's own code."""
+    return _PROBE.get()
+
+
+@contextlib.contextmanager
+def probing() -> Iterator[Probe]:
+    """Mark the evaluations inside the block as a check's own probes (see :class:`Probe`)."""
+    outer = _PROBE.get()
+    probe = Probe()
+    token = _PROBE.set(probe)
+    try:
+        yield probe
+    finally:
+        _PROBE.reset(token)
+    # Reached only when the block completed: its decisions count now, or with the
+    # probe around it.
+    for action in probe._pending:
+        if outer is None:
+            action()
+        else:
+            outer.defer(action)
 
 
 def first_divergence(
@@ -253,12 +319,21 @@ def user_location(frame: FrameType | None) -> Location | None:
 
 @functools.cache
 def display_path(filename: str) -> str:
-    """``filename`` relative to the working folder when it lies inside it."""
+    """``filename`` relative to the working folder when it lies inside it; a library's
+    file relative to the ``sys.path`` entry it was imported from
+    (``transformers/models/mixtral/modeling_mixtral.py``); else as given."""
     try:
         relative = os.path.relpath(filename)
     except ValueError:  # another drive on Windows
         return filename
-    return filename if relative.startswith(os.pardir) else relative
+    if not relative.startswith(os.pardir):
+        return relative
+    roots = [
+        root
+        for root in (os.path.abspath(entry) for entry in sys.path if entry)
+        if filename.startswith(root + os.sep)
+    ]
+    return os.path.relpath(filename, max(roots, key=len)) if roots else filename
 
 
 def _short(value: Any, limit: int = 60) -> str:

@@ -6,10 +6,20 @@ every call that turns tensor data into a Python value (a
 :class:`.control_flow.DecisionMode`) and, when the line that made it lies in one of
 the source folders, counts its outcome at that site:
 
-- a branch (``Tensor.__bool__``, ``torch.equal``, ...): how often True, how often False;
+- a branch (``Tensor.__bool__``, ``torch.equal``, ...): how often its condition held
+  and how often not, as the condition is written: ``if not torch.isfinite(dt):``
+  counts True when its body ran (the ``not`` is read off the line's bytecode and
+  source, see :func:`_negated`); each operand of ``and``/``or`` counts whether it
+  held; ``assert c`` counts True when it passed; ``while c`` counts each pass
+  (True) and the exit (False);
 - a number read off a tensor (``.item()``, ``float()``, ``.tolist()``): count, min,
   max, distinct values;
 - a loop count (``range(int(n))``, a tensor used as an index count): the same.
+
+Evaluations a check makes at points of its own choosing (gradcheck's finite
+differences and branch search: :func:`.control_flow.probing`) are counted apart, in
+their own column, and only when the evaluation completed: a probe point where the
+model raised counts nothing.
 
 :class:`Coverage` holds the sites, merges what xdist workers recorded and turns into
 the terminal report and the JSON file of ``pytest --decisions``.
@@ -17,18 +27,23 @@ the terminal report and the JSON file of ``pytest --decisions``.
 
 from __future__ import annotations
 
+import ast
+import bisect
 import contextlib
+import dis
 import enum
+import functools
 import linecache
 import math
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
-from .control_flow import MODE_HANDLERS, TORCH_DIR, DecisionMode
+from .control_flow import MODE_HANDLERS, TORCH_DIR, DecisionMode, current_probe
+from .sources import ParsedSource, parsed
 
 __all__ = ["Coverage", "DecisionKind", "Site", "recording"]
 
@@ -53,6 +68,8 @@ class Site:
     source: str
     ops: set[str] = field(default_factory=set)
     outcomes: dict[bool, int] = field(default_factory=dict)  # branches
+    probe_outcomes: dict[bool, int] = field(default_factory=dict)  # branches, at check probes
+    probes: int = 0  # decisions made at check probes (numbers and loop counts: not in the range)
     count: int = 0
     minimum: float = math.inf
     maximum: float = -math.inf
@@ -67,9 +84,14 @@ class Site:
             return []
         return [outcome for outcome in (True, False) if not self.outcomes.get(outcome)]
 
-    def add(self, op: str, value: Any, test: str) -> None:
+    def add(self, op: str, value: Any, test: str, probe: bool = False) -> None:
         self.ops.add(op)
         self.tests.add(test)
+        if probe:
+            self.probes += 1
+            if self.kind is DecisionKind.BRANCH:
+                self.probe_outcomes[bool(value)] = self.probe_outcomes.get(bool(value), 0) + 1
+            return
         if self.kind is DecisionKind.BRANCH:
             outcome = bool(value)
             self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
@@ -88,6 +110,9 @@ class Site:
         self.tests |= other.tests
         for outcome, seen in other.outcomes.items():
             self.outcomes[outcome] = self.outcomes.get(outcome, 0) + seen
+        for outcome, seen in other.probe_outcomes.items():
+            self.probe_outcomes[outcome] = self.probe_outcomes.get(outcome, 0) + seen
+        self.probes += other.probes
         self.count += other.count
         self.minimum = min(self.minimum, other.minimum)
         self.maximum = max(self.maximum, other.maximum)
@@ -102,15 +127,22 @@ class Site:
                 f"{outcome} x{self.outcomes.get(outcome, 0)}" for outcome in (True, False)
             )
             missing = self.missing_outcomes
-            return seen + (f" (never {missing[0]})" if len(missing) == 1 else "")
+            text = seen + (f" (never {missing[0]})" if len(missing) == 1 else "")
+            if self.probes:
+                probed = ", ".join(
+                    f"{outcome} x{self.probe_outcomes.get(outcome, 0)}" for outcome in (True, False)
+                )
+                text += f"; at check probes: {probed}"
+            return text
+        probed = f"; {self.probes} more at check probes" if self.probes else ""
         if not self.count:
-            return "no numbers"
+            return "no numbers" + probed
         distinct = (
             f"more than {len(self.distinct)}" if self.distinct_overflow else len(self.distinct)
         )
         return (
             f"{self.count} values, min {_number_text(self.minimum)}, "
-            f"max {_number_text(self.maximum)}, {distinct} distinct"
+            f"max {_number_text(self.maximum)}, {distinct} distinct{probed}"
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -121,9 +153,11 @@ class Site:
             "kind": self.kind.value,
             "ops": sorted(self.ops),
             "tests": sorted(self.tests),
+            "probes": self.probes,
         }
         if self.kind is DecisionKind.BRANCH:
             data["outcomes"] = {str(o): self.outcomes.get(o, 0) for o in (True, False)}
+            data["probe_outcomes"] = {str(o): self.probe_outcomes.get(o, 0) for o in (True, False)}
             data["missing_outcomes"] = [str(outcome) for outcome in self.missing_outcomes]
         else:
             data["outcomes"] = {
@@ -144,9 +178,12 @@ class Site:
         site = cls(data["path"], data["line"], DecisionKind(data["kind"]), data["source"])
         site.ops = set(data["ops"])
         site.tests = set(data["tests"])
+        site.probes = data["probes"]
         outcomes = data["outcomes"]
         if site.kind is DecisionKind.BRANCH:
             site.outcomes = {outcome: outcomes[str(outcome)] for outcome in (True, False)}
+            probed = data["probe_outcomes"]
+            site.probe_outcomes = {outcome: probed[str(outcome)] for outcome in (True, False)}
         else:
             site.count = outcomes["count"]
             if site.count:
@@ -213,7 +250,9 @@ class Coverage:
             self._in_source[filename] = shown
         return self._in_source[filename]
 
-    def record(self, op: str, value: Any, filename: str, line: int) -> None:
+    def record(self, op: str, value: Any, filename: str, line: int, probe: bool = False) -> None:
+        """Count one decision at ``filename:line``: ``value`` is what the op returned, for a
+        branch whether its condition held as written; ``probe``: made at a check's probe."""
         path = self.display_path(filename)
         if path is None:
             return
@@ -222,7 +261,7 @@ class Coverage:
             source = linecache.getline(filename, line).strip()
             site = Site(path, line, _kind(op, source), source)
             self.sites[(path, line)] = site
-        site.add(op, value, self.test)
+        site.add(op, value, self.test, probe)
 
     def merge_json(self, sites: list[dict[str, Any]]) -> None:
         for data in sites:
@@ -247,8 +286,10 @@ class Coverage:
         lines = [
             "Each row is a line of the project's code that turned tensor data into a Python "
             "value during the tests:",
-            "branches count each outcome (an outcome never seen is untested code); numbers and "
-            "loop counts show their range.",
+            "branches count each outcome of the condition as written (True: `if not x:` ran its "
+            "body; an outcome never seen is untested code); numbers and loop counts show their "
+            "range; evaluations a check makes at points of its own (gradcheck's finite "
+            "differences and branch search) are counted apart, at check probes.",
         ]
         if not self.sites:
             return [*lines, "(no data-dependent decisions in the source folders)"]
@@ -279,8 +320,99 @@ class _Recorder(DecisionMode):
             )
         ):
             caller = caller.f_back
-        if caller is not None:
-            self.coverage.record(op, result, caller.f_code.co_filename, caller.f_lineno)
+        if caller is None:
+            return
+        filename, line = caller.f_code.co_filename, caller.f_lineno
+        if self.coverage.display_path(filename) is None:
+            return  # not the project's code: nothing to count, nothing to read
+        if op in _BRANCH_OPS:
+            result = bool(result) != _negated(caller)
+        probe = current_probe()
+        if probe is None:
+            self.coverage.record(op, result, filename, line)
+        else:
+            probe.defer(functools.partial(self.coverage.record, op, result, filename, line, True))
+
+
+# --- a branch's outcome as its condition is written -----------------------------------------
+
+# Instructions that call a function: the decision is the call's own result
+# (``torch.equal(a, b)``, ``bool(t)``); any other instruction asks for the truth of the
+# value the instruction before it produced (a jump, ``TO_BOOL``, ``UNARY_NOT``).
+_CALLS = ("CALL", "PRECALL")
+
+
+def _leading_negations(source: ParsedSource, line: int) -> int:
+    """The ``not``s in front of the condition of the ``if``/``while``/``assert`` on ``line``."""
+    test = next(
+        (
+            node.test
+            for node in ast.walk(source.tree)
+            if isinstance(node, ast.If | ast.While | ast.IfExp | ast.Assert)
+            and node.test.lineno == line
+        ),
+        None,
+    )
+    count = 0
+    while isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+        count, test = count + 1, test.operand
+    return count
+
+
+def _negated(frame: FrameType) -> bool:
+    """Whether the condition as written at the frame's current instruction negates the
+    tensor's truth value: an odd number of ``not`` around it (``if not x.any():``)."""
+    key = (frame.f_code, frame.f_lasti)
+    negated = _NEGATED.get(key)
+    if negated is None:
+        count = _negations(frame.f_code, frame.f_lasti, frame.f_lineno)
+        negated = _NEGATED[key] = count % 2 == 1
+    return negated
+
+
+_NEGATED: dict[tuple[CodeType, int], bool] = {}
+
+
+@functools.lru_cache(maxsize=1024)
+def _instructions(code: CodeType) -> tuple[list[int], list[dis.Instruction]]:
+    instructions = list(dis.get_instructions(code))
+    return [instruction.offset for instruction in instructions], instructions
+
+
+def _negations(code: CodeType, offset: int, line: int) -> int:
+    """How many ``not`` the source applies to the value decided at ``offset``.
+
+    Python 3.11 and later give each instruction its columns: the instruction that
+    produced the decided value spans the operand (``torch.isfinite(dt)``), whose
+    ``not`` parents in the parsed source are counted. Python 3.10 gives lines only:
+    then the leading ``not`` of the condition on that line count.
+    """
+    source = parsed(code.co_filename)
+    if source is None:
+        return 0
+    offsets, instructions = _instructions(code)
+    index = bisect.bisect_left(offsets, offset)
+    if index >= len(instructions) or offsets[index] != offset:
+        return 0
+    current = instructions[index]
+    producer = (
+        current if current.opname.startswith(_CALLS) or not index else instructions[index - 1]
+    )
+    positions = getattr(producer, "positions", None)
+    if positions is None or positions.col_offset is None:
+        return _leading_negations(source, line)
+    node = source.spans.get(
+        (positions.lineno, positions.col_offset, positions.end_lineno, positions.end_col_offset)
+    )
+    count = 0
+    while node is not None:
+        parent = source.parents.get(node)
+        if isinstance(parent, ast.UnaryOp) and isinstance(parent.op, ast.Not):
+            count += 1
+        elif not isinstance(parent, ast.BoolOp):
+            break
+        node = parent
+    return count
 
 
 @contextlib.contextmanager

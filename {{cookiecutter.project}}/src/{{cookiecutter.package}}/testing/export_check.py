@@ -2,41 +2,56 @@
 
 :func:`export_check` exports a model (or function), runs the ``ExportedProgram``
 against eager PyTorch on the inputs, and returns the program. When export fails on
-data-dependent control flow, the error names the user's line and the decision made
-there (recorded by :mod:`.control_flow` in one eager run), leaves out torch's
-symbolic-shape text and FX dump, and shows the rewrite that makes the code
-exportable, built from the source: ``torch.cond`` for a branch, ``torch.where`` for
-an elementwise choice, a loop of fixed length with a mask (or ``torch.while_loop``)
-for a loop whose length depends on the data.
+data-dependent control flow, the error names the line that made the decision and
+the user's way there (:mod:`.frames`: the user's line, then the library lines under
+it), the decision made there in one eager run (:mod:`.control_flow`), the rewrite
+that makes the code exportable where that line is the user's (:mod:`.rewrites`),
+and what ``torch.export.draft_export`` met on the same inputs: each data-dependent
+guard with its line. torch's symbolic-shape text, FX dump and log records stay out
+of the report (:mod:`.torch_logs`). A program that refuses another input set names
+the guard that failed in the user's terms (the input, the dimension, both sizes)
+and the ``dynamic_shapes`` that accept it.
 """
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import io
-import linecache
-import os
+import re
 import sys
-import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import control_flow
+from . import control_flow, torch_logs
 from .calls import forward_kwargs_of, input_sets, reject_unknown_keywords
 from .comparison import close_mismatch
-from .failures import CheckFailure
+from .failures import CheckFailure, quoted
+from .frames import CallPath, Origin, call_path, origin, stack_frames, traceback_frames
 from .naming import describe_callable
+from .rewrites import rewrite
 from .subject import Subject
 from .trees import named_leaves
 
-__all__ = ["ExportBlocked", "ExportCheckFailure", "ExportMismatch", "export_check", "summary"]
+__all__ = [
+    "DraftGuard",
+    "DraftReport",
+    "ExportBlocked",
+    "ExportCheckFailure",
+    "ExportMismatch",
+    "ProgramRefused",
+    "ShapeGuard",
+    "export_check",
+    "summary",
+]
 
-_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-_PLUGIN_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+# "Guard failed: edge_index.size()[1] == 12", as an exported program words a refusal.
+_SIZE_GUARD = re.compile(r"(?P<input>[\w.\[\]'\"]+)\.size\(\)\[(?P<dim>\d+)\] == (?P<size>\d+)")
+# Guards of draft_export's report listed in a failure; the rest are counted.
+_DRAFT_LISTED = 5
 
 
 class ExportCheckFailure(CheckFailure):
@@ -50,19 +65,28 @@ class ExportCheckFailure(CheckFailure):
 
 
 class ExportBlocked(ExportCheckFailure):
-    """``torch.export`` refused the model at ``location`` (the user's ``file:line``)."""
+    """``torch.export`` refused the model at ``location``: where the decision was made.
+
+    ``path`` is the user's way there (the user's line, then the library lines under
+    it), ``decision`` what the eager run decided there, ``rewrite`` the rewrite that
+    exports (``None`` when the line is a library's), ``draft`` what
+    ``torch.export.draft_export`` met on the same inputs.
+    """
 
     def __init__(
         self,
         message: str,
         *,
         location: control_flow.Location | None,
+        path: CallPath,
         decision: control_flow.Decision | None,
         rewrite: str | None,
+        draft: DraftReport,
         torch_error: BaseException,
     ) -> None:
         super().__init__(message, torch_error)
-        self.location, self.decision, self.rewrite = location, decision, rewrite
+        self.location, self.path, self.decision = location, path, decision
+        self.rewrite, self.draft = rewrite, draft
 
 
 class ExportMismatch(ExportCheckFailure):
@@ -71,6 +95,85 @@ class ExportMismatch(ExportCheckFailure):
     def __init__(self, message: str, *, name: str, input_set: int) -> None:
         super().__init__(message)
         self.name, self.input_set = name, input_set
+
+
+class ProgramRefused(ExportCheckFailure):
+    """The exported program refused input set ``input_set``; ``guard`` is the size it was
+    specialized on (``None`` when torch's refusal names none), ``dynamic_shapes`` the
+    argument that accepts every input set's sizes."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        input_set: int,
+        guard: ShapeGuard | None,
+        dynamic_shapes: Any,
+        torch_error: BaseException,
+    ) -> None:
+        super().__init__(message, torch_error)
+        self.input_set, self.guard, self.dynamic_shapes = input_set, guard, dynamic_shapes
+
+
+@dataclass(frozen=True)
+class ShapeGuard:
+    """A size the program was exported with: ``input``'s dimension ``dim`` was ``exported``."""
+
+    input: str
+    dim: int
+    exported: int
+    actual: int | None  # the refused input's size there, when known
+
+    def __str__(self) -> str:
+        now = f"has {self.actual}" if self.actual is not None else "has another size"
+        return (
+            f"input {self.input} {now} in dimension {self.dim}; the program was exported "
+            f"with {self.exported} there"
+        )
+
+
+@dataclass(frozen=True)
+class DraftGuard:
+    """A data-dependent guard ``torch.export.draft_export`` met: torch's ``expression``,
+    how often, and where."""
+
+    path: CallPath
+    expression: str
+    occurrences: int
+
+    def __str__(self) -> str:
+        where = self.path.innermost
+        line = f"{where}: `{where.source}`: " if where else ""
+        times = f" ({self.occurrences} times)" if self.occurrences > 1 else ""
+        return f"{line}guard {self.expression}{times}"
+
+
+@dataclass(frozen=True)
+class DraftReport:
+    """What ``torch.export.draft_export`` met: data-dependent ``guards``, ``other`` problems
+    (a missing or mismatched fake kernel), or the ``error`` it stopped on."""
+
+    guards: tuple[DraftGuard, ...] = ()
+    other: tuple[str, ...] = ()
+    error: str | None = None
+
+    def lines(self) -> list[str]:
+        if self.error:
+            return [f"torch.export.draft_export stopped too: {self.error}"]
+        if not self.guards and not self.other:
+            return []
+        count = len(self.guards)
+        lines = [
+            "torch.export.draft_export, which traces on where export stops (deciding with these "
+            f"inputs' values), met {count} data-dependent guard(s)"
+            + (f" and {len(self.other)} other problem(s)" if self.other else "")
+            + ":"
+        ]
+        lines += [f"  {guard}" for guard in self.guards[:_DRAFT_LISTED]]
+        if count > _DRAFT_LISTED:
+            lines.append(f"  and {count - _DRAFT_LISTED} more")
+        lines += [f"  {problem}" for problem in self.other]
+        return lines
 
 
 class _FunctionModule(nn.Module):
@@ -104,10 +207,11 @@ def export_check(
     forward (tolerances of :data:`.comparison.DEFAULT_TOLERANCES`). Parameters,
     buffers and RNG states are put back after each run.
 
-    Raises :class:`ExportBlocked` when torch refuses to export, naming the user's line
-    and the data-dependent decision there, with the rewrite that exports;
-    :class:`ExportMismatch` naming the output and element that differ, or
-    :class:`ExportCheckFailure` when the program refuses an input set.
+    Raises :class:`ExportBlocked` when torch refuses to export, naming the line of
+    the data-dependent decision and the user's way there, with the rewrite that
+    exports and draft_export's guards; :class:`ExportMismatch` naming the output and
+    element that differ; :class:`ProgramRefused` when the program refuses an input
+    set, with the guard that failed and the ``dynamic_shapes`` that accept it.
     """
     __tracebackhide__ = True
     reject_unknown_keywords(
@@ -125,25 +229,32 @@ def export_check(
     module = model_or_fn if isinstance(model_or_fn, nn.Module) else _FunctionModule(model_or_fn)
     name = describe_callable(model_or_fn)
     subject = Subject(module, sets[0], kwargs, failure=ExportCheckFailure)
-    fresh = subject.fresh_inputs()
+    above = stack_frames(sys._getframe())  # the test's line, above the check
     torch_output = io.StringIO()
-    try:
-        # torch prints the partial FX graph of a failed export to stderr.
-        with contextlib.redirect_stderr(torch_output):
-            program = torch.export.export(
-                module, fresh.args, fresh.kwargs, dynamic_shapes=dynamic_shapes, strict=strict
-            )
-    except Exception as error:  # every refusal is explained the same way
-        subject.reset()
-        raise _blocked(name, subject, error) from None
-    finally:
-        subject.reset()
+    with torch_logs.quiet():
+        try:
+            fresh = subject.fresh_inputs()
+            # torch prints the partial FX graph of a failed export to stderr.
+            with contextlib.redirect_stderr(torch_output):
+                program = torch.export.export(
+                    module, fresh.args, fresh.kwargs, dynamic_shapes=dynamic_shapes, strict=strict
+                )
+        except Exception as error:  # every refusal is explained the same way
+            subject.reset()
+            raise _blocked(name, subject, error, dynamic_shapes, above) from None
+        finally:
+            subject.reset()
     if torch_output.getvalue():
         sys.stderr.write(torch_output.getvalue())
     exported = program.module()
     for number, arguments in enumerate(sets):
         _compare(
-            name, Subject(module, arguments, kwargs, failure=ExportCheckFailure), exported, number
+            name,
+            Subject(module, arguments, kwargs, failure=ExportCheckFailure),
+            exported,
+            number,
+            sets,
+            dynamic_shapes,
         )
     return program
 
@@ -153,7 +264,14 @@ def summary(program: torch.export.ExportedProgram) -> str:
     return f"export_check: exported {len(program.graph.nodes)} graph nodes"
 
 
-def _compare(name: str, subject: Subject, exported: Any, number: int) -> None:
+def _compare(
+    name: str,
+    subject: Subject,
+    exported: Any,
+    number: int,
+    sets: list[tuple],
+    dynamic_shapes: Any,
+) -> None:
     __tracebackhide__ = True
     try:
         with torch.no_grad():
@@ -164,14 +282,7 @@ def _compare(name: str, subject: Subject, exported: Any, number: int) -> None:
             try:
                 program_output = exported(*fresh.args, **fresh.kwargs)
             except Exception as error:
-                first = str(error).strip().splitlines()[0] if str(error).strip() else repr(error)
-                raise ExportCheckFailure(
-                    f"The program exported from {name} refused input set {number}: {first}. "
-                    "An exported program takes inputs like the ones it was exported with; "
-                    "for other sizes pass dynamic_shapes "
-                    "(e.g. {'x': {0: torch.export.Dim('batch')}})",
-                    error,
-                ) from None
+                raise _refused(name, subject, number, sets, dynamic_shapes, error) from None
     finally:
         subject.reset()
     eager_values = dict(named_leaves(eager, "output"))
@@ -194,23 +305,125 @@ def _compare(name: str, subject: Subject, exported: Any, number: int) -> None:
             )
 
 
-# --- explaining a refusal -----------------------------------------------------------------
+# --- a program that refuses an input set ------------------------------------------------
 
 
-def _is_user_file(filename: str) -> bool:
-    return not filename.startswith((_TORCH_DIR, _PLUGIN_DIR, "<"))
+def _refused(
+    name: str,
+    subject: Subject,
+    number: int,
+    sets: list[tuple],
+    dynamic_shapes: Any,
+    error: BaseException,
+) -> ProgramRefused:
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else repr(error)
+    shapes = [_shapes(subject, arguments) for arguments in sets]
+    guard = None
+    matched = _SIZE_GUARD.search(first)
+    if matched:
+        refused = shapes[number].get(matched["input"])
+        dim = int(matched["dim"])
+        guard = ShapeGuard(
+            matched["input"],
+            dim,
+            int(matched["size"]),
+            refused[dim] if refused is not None and dim < len(refused) else None,
+        )
+    varying = _varying_dimensions(shapes, guard)
+    suggestion = _dynamic_shapes(subject, varying) if dynamic_shapes is None else None
+    lines = [
+        f"The program exported from {name} refused input set {number}: "
+        + (f"{guard} (torch: {first})" if guard else first)
+    ]
+    if suggestion is not None:
+        lines.append(
+            "An exported program takes inputs of the sizes it was exported with, unless it is "
+            "told which sizes vary; to accept every input set's sizes, export with"
+        )
+        lines.append(f"    dynamic_shapes={_spelled(suggestion)}")
+    elif varying:
+        listed = ", ".join(f"{input} dimension {dim}" for input, dim in varying)
+        lines.append(f"Mark as dynamic in dynamic_shapes: {listed}.")
+    return ProgramRefused(
+        "\n".join(lines),
+        input_set=number,
+        guard=guard,
+        dynamic_shapes=suggestion,
+        torch_error=error,
+    )
 
 
-def _user_line(error: BaseException) -> control_flow.Location | None:
-    """The innermost line of user code torch was running when it gave up."""
-    stack = getattr(error, "real_stack", None) or []
-    frames = [(frame.filename, frame.lineno) for frame in stack]
-    if not any(_is_user_file(f) for f, _ in frames):
-        frames = [
-            (f.f_code.co_filename, line) for f, line in traceback.walk_tb(error.__traceback__)
-        ]
-    user = [control_flow.Location(f, line) for f, line in frames if _is_user_file(f) and line]
-    return user[-1] if user else None
+def _shapes(subject: Subject, arguments: tuple) -> dict[str, tuple[int, ...]]:
+    """The shape of each tensor of an input set, by the input's name."""
+    return {
+        input: tuple(leaf.shape)
+        for input, leaf in subject.named_inputs(arguments, subject.kwargs)
+        if isinstance(leaf, torch.Tensor)
+    }
+
+
+def _varying_dimensions(
+    shapes: list[dict[str, tuple[int, ...]]], guard: ShapeGuard | None
+) -> list[tuple[str, int]]:
+    """The guard's dimension first, then each other dimension whose size differs between sets."""
+    found = [(guard.input, guard.dim)] if guard else []
+    first = shapes[0]
+    for input, shape in first.items():
+        for dim in range(len(shape)):
+            if (input, dim) not in found and any(
+                len(other.get(input, ())) == len(shape) and other[input][dim] != shape[dim]
+                for other in shapes[1:]
+            ):
+                found.append((input, dim))
+    return found
+
+
+def _dynamic_shapes(subject: Subject, varying: list[tuple[str, int]]) -> Any:
+    """``dynamic_shapes`` marking ``varying`` dynamic: by argument name, or positionally.
+
+    ``None`` when a varying tensor is nested inside an argument (a list, a dict),
+    whose ``dynamic_shapes`` entry has that argument's structure.
+    """
+    arguments = [*subject.input_names, *subject.kwargs]
+    if not varying or any(input not in arguments for input, _ in varying):
+        return None
+    spec: dict[str, dict[int, Any] | None] = {argument: None for argument in arguments}
+    for input, dim in varying:
+        spec[input] = {**(spec[input] or {}), dim: torch.export.Dim.DYNAMIC}
+    if any(argument.startswith("inputs[") for argument in subject.input_names):
+        return tuple(spec[argument] for argument in subject.input_names)
+    return spec
+
+
+def _spelled(spec: Any) -> str:
+    """``dynamic_shapes`` as the user writes it (``Dim.DYNAMIC``, not its repr)."""
+    if isinstance(spec, dict) and all(isinstance(key, int) for key in spec):
+        return "{" + ", ".join(f"{key}: torch.export.Dim.DYNAMIC" for key in spec) + "}"
+    if isinstance(spec, dict):
+        return "{" + ", ".join(f"{key!r}: {_spelled(value)}" for key, value in spec.items()) + "}"
+    if isinstance(spec, tuple):
+        return (
+            "("
+            + ", ".join(_spelled(value) for value in spec)
+            + ("," if len(spec) == 1 else "")
+            + ")"
+        )
+    return repr(spec)
+
+
+# --- explaining a refusal to export ---------------------------------------------------------
+
+
+def _error_path(error: BaseException, above: list[tuple[str, int]]) -> CallPath:
+    """The user's way to where torch gave up, from the frames ``above`` the check: the
+    stack torch traced, else the traceback."""
+    stack = [
+        (frame.filename, frame.lineno or 0) for frame in getattr(error, "real_stack", None) or []
+    ]
+    if not call_path(stack):
+        stack = traceback_frames(error)
+    return call_path([*above, *stack])
 
 
 def _is_data_dependent(error: BaseException) -> bool:
@@ -226,8 +439,15 @@ def _is_data_dependent(error: BaseException) -> bool:
     )
 
 
-def _blocked(name: str, subject: Subject, error: BaseException) -> ExportCheckFailure:
-    where = _user_line(error)
+def _blocked(
+    name: str,
+    subject: Subject,
+    error: BaseException,
+    dynamic_shapes: Any,
+    above: list[tuple[str, int]],
+) -> ExportCheckFailure:
+    path = _error_path(error, above)
+    where = path.innermost
     if not _is_data_dependent(error):
         first = str(error).strip().split("\n\n")[0]
         at = f" at {where}: `{where.source}`" if where else ""
@@ -236,11 +456,20 @@ def _blocked(name: str, subject: Subject, error: BaseException) -> ExportCheckFa
             error,
         )
     decision = _decision_at(subject, where)
-    rewrite = _rewrite(where, decision) if where else None
+    in_library = where is not None and origin(where.filename) is Origin.LIBRARY
+    advice = (
+        _library_advice(where)
+        if in_library and where
+        else (rewrite(where, decision) if where else None)
+    )
+    draft = _draft(subject, dynamic_shapes)
     lines = [f"torch.export cannot export {name}: its forward makes a data-dependent decision"]
     if where:
         lines[0] += f" at {where}:"
         lines.append(f"    {where.source}")
+    if path.library:
+        lines.append("  reached from your code:")
+        lines += path.lines(indent="    ")
     if decision:
         lines.append(
             f"  decision in the eager run: {decision.op} -> {decision.value!r} "
@@ -250,11 +479,83 @@ def _blocked(name: str, subject: Subject, error: BaseException) -> ExportCheckFa
         "An exported program is one graph for every input, so a Python value computed from a "
         "tensor's data (a branch, a loop count, a size) cannot be recorded."
     )
-    if rewrite:
-        lines.append(rewrite)
+    if advice:
+        lines.append(advice)
+    lines += draft.lines()
     return ExportBlocked(
-        "\n".join(lines), location=where, decision=decision, rewrite=rewrite, torch_error=error
+        "\n".join(lines),
+        location=where,
+        path=path,
+        decision=decision,
+        rewrite=None if in_library else advice,
+        draft=draft,
+        torch_error=error,
     )
+
+
+def _library_advice(where: control_flow.Location) -> str:
+    library = str(where).split("/", 1)[0]
+    return (
+        f"The decision is made inside {library}, not in your code, so there is no line of "
+        "yours to rewrite: torch.export cannot trace a call into code that decides in Python "
+        "on tensor values. Export the parts of the model around that call, or use "
+        "torch.compile, which runs such code between its graphs."
+    )
+
+
+def _draft(subject: Subject, dynamic_shapes: Any) -> DraftReport:
+    """What ``torch.export.draft_export`` meets on the same inputs (it traces on where
+    export stops, deciding each data-dependent guard with the inputs' values; always
+    non-strict, which traces through what strict export refuses)."""
+    fresh = subject.fresh_inputs()
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            program = torch.export.draft_export(
+                subject.target,
+                fresh.args,
+                fresh.kwargs,
+                dynamic_shapes=dynamic_shapes,
+            )
+    except Exception as error:  # draft_export is a hint here: say why it stopped
+        where = call_path(traceback_frames(error)).innermost
+        at = f" at {where}: `{where.source}`" if where else " inside torch"
+        return DraftReport(error=f"{quoted(error)}{at}")
+    finally:
+        subject.reset()
+    report = program._report  # draft_export's report has no public accessor
+    # Frames name files by number: the numbers of this trace, and those torch gave out
+    # earlier in the process (private: torch._logging.structured interns each name once).
+    from torch._logging.structured import INTERN_TABLE
+
+    filenames = {number: name for name, number in INTERN_TABLE.items()}
+    filenames.update(report.str_to_filename)
+    guards, other = [], []
+    for failure in report.failures:
+        data = failure.data
+        kind = failure.failure_type.name
+        if kind in ("DATA_DEPENDENT_ERROR", "GUARD_ADDED"):
+            frames = _draft_frames(data.get("user_stack", []), filenames)
+            guards.append(
+                DraftGuard(
+                    call_path(frames),
+                    str(data.get("expr", "")),
+                    int(data.get("occurrences", 1) or 1),
+                )
+            )
+        else:
+            detail = data.get("reason") or ""
+            other.append(f"{kind.lower().replace('_', ' ')}: torch.ops.{data.get('op')} {detail}")
+    return DraftReport(tuple(guards), tuple(other))
+
+
+def _draft_frames(
+    stack: Iterable[dict[str, Any]], filenames: dict[int, str]
+) -> list[tuple[str, int]]:
+    return [
+        (filenames[frame["filename"]], int(frame["line"]))
+        for frame in stack
+        if frame.get("filename") in filenames
+    ]
 
 
 def _decision_at(
@@ -278,212 +579,3 @@ def _decision_at(
         d for d in log if d.location.filename == where.filename and d.location.line < where.line
     ]
     return max(earlier, key=lambda d: d.location.line) if earlier else None
-
-
-class _Source:
-    """The parsed file around the failing line: its nodes and their parents."""
-
-    def __init__(self, filename: str) -> None:
-        self.tree = ast.parse("".join(linecache.getlines(filename)))
-        self.parents: dict[ast.AST, ast.AST] = {}
-        for node in ast.walk(self.tree):
-            for child in ast.iter_child_nodes(node):
-                self.parents[child] = node
-
-    def ancestors(self, node: ast.AST) -> list[ast.AST]:
-        found = []
-        while node in self.parents:
-            node = self.parents[node]
-            found.append(node)
-        return found
-
-    def innermost(self, line: int, kinds: tuple[type, ...]) -> ast.AST | None:
-        nodes = [
-            node
-            for node in ast.walk(self.tree)
-            if isinstance(node, kinds) and _test_lines(node)[0] <= line <= _test_lines(node)[1]
-        ]
-        return max(nodes, key=lambda node: len(self.ancestors(node)), default=None)
-
-
-def _test_lines(node: ast.AST) -> tuple[int, int]:
-    """The lines of a branch's or loop's condition (of the whole node otherwise)."""
-    part = getattr(node, "test", None) or getattr(node, "iter", None) or node
-    return part.lineno, part.end_lineno or part.lineno
-
-
-def _rewrite(where: control_flow.Location, decision: control_flow.Decision | None) -> str | None:
-    try:
-        source = _Source(where.filename)
-    except (SyntaxError, ValueError):
-        return None
-    node = source.innermost(where.line, (ast.If, ast.IfExp, ast.While, ast.For))
-    if node is None:
-        return _scalar_advice(decision)
-    function = next(
-        (a for a in source.ancestors(node) if isinstance(a, ast.FunctionDef | ast.Lambda)),
-        None,
-    )
-    if isinstance(node, ast.IfExp):
-        return _where_rewrite(node, source)
-    if isinstance(node, ast.If):
-        loop = next((a for a in source.ancestors(node) if isinstance(a, ast.For | ast.While)), None)
-        if loop is not None and any(isinstance(n, ast.Break) for n in node.body):
-            return _masked_loop_rewrite(node, loop)
-        return _cond_rewrite(node, source, function)
-    if isinstance(node, ast.While):
-        return _while_rewrite(node, function)
-    return _scalar_advice(decision)
-
-
-def _local_names(function: ast.AST | None) -> set[str]:
-    if function is None:
-        return set()
-    names = {a.arg for a in ast.walk(function.args) if isinstance(a, ast.arg)}  # type: ignore[attr-defined]
-    names |= {
-        n.id for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
-    }
-    return names - {"self", "cls"}
-
-
-def _operands(nodes: Sequence[ast.AST], function: ast.AST | None) -> list[str]:
-    local = _local_names(function)
-    found: list[str] = []
-    for node in nodes:
-        for name in ast.walk(node):
-            loaded = isinstance(name, ast.Name) and isinstance(name.ctx, ast.Load)
-            if loaded and name.id in local and name.id not in found:
-                found.append(name.id)
-    return found
-
-
-def _branch(statements: list[ast.stmt]) -> tuple[str, ast.expr] | None:
-    """``("return", expr)`` or ``(name, expr)`` for a branch that is one statement."""
-    if len(statements) != 1:
-        return None
-    (statement,) = statements
-    if isinstance(statement, ast.Return) and statement.value is not None:
-        return "return", statement.value
-    if (
-        isinstance(statement, ast.Assign)
-        and len(statement.targets) == 1
-        and isinstance(statement.targets[0], ast.Name)
-    ):
-        return statement.targets[0].id, statement.value
-    return None
-
-
-def _false_branch(node: ast.If, source: _Source) -> list[ast.stmt]:
-    if node.orelse:
-        return node.orelse
-    if node.body and isinstance(node.body[-1], ast.Return):
-        parent = source.parents.get(node)
-        body = getattr(parent, "body", [])
-        if node in body:
-            following = body[body.index(node) + 1 :]
-            return following[:1]
-    return []
-
-
-def _cond_rewrite(node: ast.If, source: _Source, function: ast.AST | None) -> str:
-    condition = ast.unparse(node.test)
-    true_branch, false_branch = _branch(node.body), _branch(_false_branch(node, source))
-    general = (
-        "Rewrite the branch with torch.cond, which records both branches and picks one when "
-        "the program runs (both take the same tensors and return tensors of the same shapes "
-        "and dtypes):"
-    )
-    if true_branch and false_branch and true_branch[0] == false_branch[0]:
-        operands = _operands([true_branch[1], false_branch[1]], function)
-        parameters = ", ".join(operands)
-        packed = f"({parameters},)" if len(operands) == 1 else f"({parameters})"
-        target = "return" if true_branch[0] == "return" else f"{true_branch[0]} ="
-        return (
-            f"{general}\n"
-            f"    {target} torch.cond({condition}, lambda {parameters}: "
-            f"{ast.unparse(true_branch[1])}, lambda {parameters}: {ast.unparse(false_branch[1])}, "
-            f"{packed})"
-        )
-    operands = _operands([*node.body, *_false_branch(node, source)], function)
-    parameters = ", ".join(operands)
-    return (
-        f"{general}\n"
-        f"    def true_branch({parameters}):  # line {node.body[0].lineno}: the `if` body\n"
-        f"    def false_branch({parameters}):  # the `else` part\n"
-        f"    ... = torch.cond({condition}, true_branch, false_branch, ({parameters},))"
-    )
-
-
-def _where_rewrite(node: ast.IfExp, source: _Source) -> str:
-    condition, when_true, when_false = (ast.unparse(p) for p in (node.test, node.body, node.orelse))
-    comprehension = next(
-        (a for a in source.ancestors(node) if isinstance(a, ast.ListComp | ast.GeneratorExp)), None
-    )
-    lines = [
-        "This is an elementwise choice: compute both sides and pick with torch.where, "
-        "which exports (and gives the gradient of the side picked):",
-        f"    torch.where({condition}, {when_true}, {when_false})",
-    ]
-    if comprehension is not None:
-        loop = comprehension.generators[0]  # type: ignore[attr-defined]
-        lines.append(
-            f"Over `for {ast.unparse(loop.target)} in {ast.unparse(loop.iter)}`, do it for all "
-            f"rows at once: compute the condition per row of {ast.unparse(loop.iter)} "
-            "(a reduction with dim=-1, keepdim=True) and apply both sides to the whole tensor."
-        )
-    return "\n".join(lines)
-
-
-def _masked_loop_rewrite(node: ast.If, loop: ast.For | ast.While) -> str:
-    condition = ast.unparse(node.test)
-    body = loop.body[loop.body.index(node) + 1 :] if node in loop.body else []
-    updates = [
-        (s.targets[0].id, ast.unparse(s.value))
-        for s in body
-        if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name)
-    ]
-    header = (
-        f"for {ast.unparse(loop.target)} in {ast.unparse(loop.iter)}:"
-        if isinstance(loop, ast.For)
-        else "for _ in range(<an upper bound on the steps>):"
-    )
-    lines = [
-        "The loop stops on a tensor's value. Run it a fixed number of times and stop "
-        "updating with a mask (same outputs and gradients; every step is computed):",
-        "    active = torch.ones((), dtype=torch.bool"
-        + (f", device={updates[0][0]}.device)" if updates else ")"),
-        f"    {header}",
-        f"        active = active & ~({condition})",
-    ]
-    lines += [f"        {name} = torch.where(active, {value}, {name})" for name, value in updates]
-    if not updates:
-        lines.append("        <each update> = torch.where(active, <new value>, <old value>)")
-    lines.append(
-        "or torch.while_loop(cond_fn, body_fn, carried_inputs), which exports the loop itself "
-        "(forward only)."
-    )
-    return "\n".join(lines)
-
-
-def _while_rewrite(node: ast.While, function: ast.AST | None) -> str:
-    carried = _operands([*node.body], function)
-    names = ", ".join(carried)
-    return (
-        "The loop's length depends on a tensor's value. torch.while_loop exports it (forward "
-        "only; the condition returns a boolean tensor):\n"
-        f"    def cond_fn({names}): return {ast.unparse(node.test)}\n"
-        f"    def body_fn({names}): ...  # the loop body, returning the new ({names})\n"
-        f"    {names} = torch.while_loop(cond_fn, body_fn, ({names},))\n"
-        "or, with an upper bound on the steps, a loop of fixed length that stops updating "
-        "through a mask (torch.where), which also has gradients."
-    )
-
-
-def _scalar_advice(decision: control_flow.Decision | None) -> str:
-    made = f" ({decision.op} at {decision.location})" if decision else ""
-    return (
-        f"A Python number made from a tensor{made} is used as a size, a loop count or a "
-        "branch. Keep it a tensor (masks, torch.where) where you can; when it is a size, "
-        "bound it for export with torch._check(0 <= n) and torch._check(n <= <max>) right "
-        "after it is made; a loop over it becomes a loop to a fixed maximum with a mask."
-    )

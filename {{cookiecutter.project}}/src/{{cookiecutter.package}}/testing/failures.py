@@ -14,7 +14,7 @@ import traceback
 
 from .control_flow import display_path
 
-__all__ = ["CheckFailure", "raised"]
+__all__ = ["CheckFailure", "quoted", "raised"]
 
 
 class CheckFailure(AssertionError):
@@ -26,11 +26,15 @@ class CheckFailure(AssertionError):
     check: str = "check"  # the check's name as users call it, e.g. "compile_check"
 
 
+def quoted(error: BaseException) -> str:
+    """``Type: first line of the message``: how a failure quotes the error torch raised."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
 def raised(error: BaseException) -> str:
-    """``AssertionError: underflow in dt (raised at solvers.py:40)``: type, first line, place."""
-    lines = str(error).strip().splitlines()
+    """``AssertionError: underflow in dt (raised at solvers.py:40)``: :func:`quoted`, and
+    the line that raised it (the model's own exception, where a check probed it)."""
     frames = traceback.extract_tb(error.__traceback__)
-    where = (
-        f" (raised at {display_path(frames[-1].filename)}:{frames[-1].lineno})" if frames else ""
-    )
-    return f"{type(error).__name__}: {lines[0] if lines else ''}{where}"
+    where = f" (raised at {display_path(frames[-1].filename)}:{frames[-1].lineno})"
+    return quoted(error) + (where if frames else "")

@@ -76,10 +76,11 @@ from .control_flow import (
     Location,
     display_path,
     first_divergence,
+    probing,
     record_decisions,
     user_location,
 )
-from .failures import CheckFailure, raised
+from .failures import CheckFailure, quoted, raised
 from .float64 import CannotStayFloat64, Float64Mode, Narrowing, Widening, writes
 from .naming import describe_callable, element_name, input_names
 from .parts import FunctionCall, ModuleCall, Parts, State, definition, record_parts
@@ -968,6 +969,7 @@ class _Problem:
         self.hooks_enabled = True
         # By id: the integer and boolean input tensors, passed as they are ("input i").
         self.integer_inputs: dict[int, str] = {}
+        self._at_point = True  # the next evaluation is at the test's own point (see evaluate)
         integer_inputs: list[str] = []
 
         self._positional = len(inputs)
@@ -1154,6 +1156,17 @@ class _Problem:
         return "\n".join(lines)
 
     def evaluate(self, values: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """:meth:`_evaluate`; each evaluation after the first (at the test's point) is one of
+        gradcheck's own probes, which ``pytest --decisions`` counts apart."""
+        at_point, self._at_point = self._at_point, False
+        if at_point or not torch._C._len_torch_function_stack():
+            # No torch function mode is active, so nothing records decisions to count
+            # apart: the probe's marker would cost an evaluation more than the check does.
+            return self._evaluate(values)
+        with probing():
+            return self._evaluate(values)
+
+    def _evaluate(self, values: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The floating-point outputs for these checked values; same RNG state every time."""
         self.evaluations += 1
         leaves = self._leaves.copy()
@@ -1178,7 +1191,7 @@ class _Problem:
                 return (output,)
             outputs = self._floating_outputs(output)
         elif self._held is not None:
-            at_point = self._at_point(values)
+            at_point = self._holds_point(values)
             writes = _BufferWrites(buffers, None if at_point else self._held)
             with writes:
                 outputs = self._call(args, kwargs)
@@ -1271,7 +1284,7 @@ class _Problem:
             return False
         return reentrant_checkpoint(outputs)
 
-    def _at_point(self, values: Sequence[torch.Tensor]) -> bool:
+    def _holds_point(self, values: Sequence[torch.Tensor]) -> bool:
         return all(
             value is checked.value or torch.equal(value.detach(), checked.value)
             for value, checked in zip(values, self.checked, strict=True)
@@ -1316,10 +1329,9 @@ class _Problem:
         if finder.found is None:
             return None
         op, name, dtype, location = finder.found
-        first_line = str(error).strip().splitlines()[0] if str(error).strip() else ""
         return TypeError(
             f"gradcheck: {name} is a {dtype} tensor, and {op} at {location} fails on it "
-            f"({type(error).__name__}: {first_line}): integer and boolean inputs are passed to "
+            f"({quoted(error)}): integer and boolean inputs are passed to "
             f"the forward as they are, neither differentiated nor converted, and the check "
             f"computes in float64. Convert it where the forward needs floating point "
             f"(.to(x.dtype)), or pass a floating-point tensor (to check its gradient: "

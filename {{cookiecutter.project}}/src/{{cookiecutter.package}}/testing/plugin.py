@@ -839,11 +839,13 @@ def compile_check(request: pytest.FixtureRequest) -> Callable[..., Any]:
     Runs forward and backward eagerly and under ``torch.compile`` from the same
     parameters, buffers, RNG states and inputs (each tuple of ``inputs_list`` too) and
     compares outputs and gradients within tolerances chosen by dtype. A failure names
-    the output or gradient, the numbers and the first differing element; more graph
-    breaks or recompilations than ``max_graph_breaks``/``max_recompiles`` fail listing
-    each with its line. Returns the graph breaks and recompilations, each with the
-    user's line and, for a break, the data-dependent decision made there. With ``-v``
-    each check writes its report. See :func:`.compile_check.compile_check`.
+    the output or gradient, the numbers and the first differing element; a run that
+    fails only compiled names the backend, the phase and the line; more graph breaks
+    or recompilations than ``max_graph_breaks``/``max_recompiles`` fail listing each
+    with its line. Returns the graph breaks (each once, with torch's GB id) and
+    recompilations, each with the user's line and, for a break, the data-dependent
+    decision made there. With ``-v`` each check writes its report. See
+    :func:`.compile_check.compile_check`.
     """
     from .compile_check import compile_check as check
 

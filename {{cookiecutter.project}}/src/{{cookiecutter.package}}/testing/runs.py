@@ -7,6 +7,7 @@ through every floating-point output that requires grad with ``torch.autograd.gra
 a :class:`Run`: the outputs (detached, in the structure the model returned) and every
 value to compare, keyed by :class:`Key`: each output leaf, the gradient of each
 trainable parameter and differentiated input, and each buffer the forward changed.
+A :class:`Progress` passed in says which :class:`Phase` a run that raised was in.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from . import calls
 from .subject import Subject
 from .trees import map_tensors, named_leaves
 
-__all__ = ["Cotangents", "Key", "Kind", "Run", "run_once"]
+__all__ = ["Cotangents", "Key", "Kind", "Phase", "Progress", "Run", "run_once"]
 
 
 class Kind(enum.Enum):
@@ -55,6 +56,20 @@ class Key:
         if self.kind is Kind.BUFFER:
             return f"buffer {self.name} after the run"
         return self.name
+
+
+class Phase(enum.Enum):
+    """Which half of a run: the call of the model, or the gradients through it."""
+
+    FORWARD = "forward"
+    BACKWARD = "backward"
+
+
+@dataclass
+class Progress:
+    """How far a run got: the :class:`Phase` it is in, updated as it goes."""
+
+    phase: Phase = Phase.FORWARD
 
 
 @dataclass
@@ -102,13 +117,16 @@ def run_once(
     *,
     call: Callable[..., Any] | None = None,
     recording: contextlib.AbstractContextManager[Any] | None = None,
+    progress: Progress | None = None,
 ) -> Run:
     """One forward and backward from the starting conditions.
 
     ``call`` runs in place of the subject's callable (its compiled version, say), with
     the subject's modules and inputs; ``recording`` is entered around forward and
-    backward.
+    backward; ``progress`` follows the phase, so a caller knows where a run raised.
     """
+    progress = progress or Progress()
+    progress.phase = Phase.FORWARD
     subject.reset()
     inputs = subject.fresh_inputs()
     with recording or contextlib.nullcontext():
@@ -124,6 +142,7 @@ def run_once(
             *(Key(Kind.INPUT_GRAD, name) for name, _ in inputs.differentiated),
         ]
         tensors = [t for _, t in subject.parameters] + [t for _, t in inputs.differentiated]
+        progress.phase = Phase.BACKWARD
         grads = _gradients(leaves, tensors, cotangents)
     values: dict[Key, Any] = {
         Key(Kind.OUTPUT, name): leaf.detach() if isinstance(leaf, torch.Tensor) else leaf
