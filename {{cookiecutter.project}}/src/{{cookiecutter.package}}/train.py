@@ -759,7 +759,9 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resume_command(config: Config, launch: Launch, environ: Mapping[str, str] = os.environ) -> str:
+def resume_command(
+    config: Config, launch: Launch, environ: Mapping[str, str] = os.environ
+) -> str:
     """The command line that continues this run: its settings that differ from the
     defaults, ``--run-dir`` and ``--resume``, behind the same launcher. In a SLURM job,
     which comes back by itself when requeued, the ``launch slurm`` line that continues
