@@ -165,3 +165,15 @@ def plugin_pytester(pytester: pytest.Pytester, default_project: Path, monkeypatc
     pytester.syspathinsert(src)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [src, os.getenv("PYTHONPATH")])))
     return pytester
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for a module's tests: on a busy machine, threads contending for
+    tiny float64 matmuls (gradient checks) make them 100x slower."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

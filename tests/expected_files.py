@@ -62,6 +62,7 @@ BASE_FILES = frozenset(
         "src/{package}/testing/gradcheck.py",
         "src/{package}/testing/naming.py",
         "src/{package}/testing/parameter_use.py",
+        "src/{package}/testing/parts.py",
         "src/{package}/testing/plugin.py",
         "src/{package}/testing/rewrites.py",
         "src/{package}/testing/sources.py",

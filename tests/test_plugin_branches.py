@@ -65,7 +65,7 @@ from models import BuggyOnTheNegativeSide, Gated, masked
 def positive_point(model):
     torch.manual_seed(0)
     with torch.no_grad():
-        model.linear.bias.fill_(3.0)
+        model.linear.bias.fill_(0.5)
     return model, torch.randn(2, 4, requires_grad=True)
 
 
@@ -87,7 +87,7 @@ def test_both_sides_of_a_correct_model(gradcheck):
     result = gradcheck(model, x, branches="all")
     (side,) = result.branches
     assert side.found and side.at_point is True
-    assert 0 < side.moved < 10
+    assert 0 < side.moved <= 1  # MAX_DISTANCE
     assert side.forward_passes <= 16
     assert torch.equal(x, x.detach().clone())  # the inputs are left as they were
 
@@ -150,3 +150,105 @@ def test_the_result_says_which_branches_were_checked(plugin_pytester, value):
     )
     result = plugin_pytester.runpytest_subprocess("-p", PLUGIN_MODULE, "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
+
+
+LIBRARY_HABITS = """
+import torch
+from torch import nn
+
+INF = torch.tensor(float("inf"), dtype=torch.float64)
+
+
+def stepped(x, max_step=INF):
+    \"\"\"A solver's guard against a step above max_step, which is inf unless set.\"\"\"
+    dt = x.abs().mean()
+    if dt > max_step:
+        dt = max_step
+    assert torch.isfinite(x).all(), "the state left the finite numbers"
+    return x * dt
+
+
+def far(x):
+    if x.sum() < 1e7:  # a bound no nearby input reaches
+        return torch.sin(x)
+    return torch.cos(x)
+
+
+def guarded(x):
+    assert x.max() < 0.35, "input out of range"  # a library's check of its input
+    if x.sum() > 1.0:
+        return x**2
+    return torch.sin(x)
+
+
+class Pondering(nn.Module):
+    \"\"\"Adaptive computation time: steps until the halting probabilities add up to 1.\"\"\"
+
+    def __init__(self, size=4, max_steps=6):
+        super().__init__()
+        self.cell = nn.GRUCell(size, size)
+        self.halt = nn.Linear(size, 1)
+        self.max_steps = max_steps
+
+    def forward(self, x):
+        h = torch.zeros_like(x)
+        total = torch.zeros(x.shape[0], 1)
+        out = torch.zeros_like(x)
+        for _ in range(self.max_steps):
+            h = self.cell(x, h)
+            p = torch.sigmoid(self.halt(h))
+            if (total + p).min() > 0.99:
+                return out + (1 - total) * h
+            out = out + p * h
+            total = total + p
+        return out
+
+
+"""
+
+LIBRARY_HABITS_TESTS = """
+import torch
+
+
+def at_the_if(result):
+    (side,) = [side for side in result.branches if side.source.startswith("if ")]
+    return side
+
+def test_an_infinite_margin_is_not_searched(gradcheck):
+    x = torch.tensor([0.5, -1.0, 2.0], dtype=torch.float64, requires_grad=True)
+    side = at_the_if(gradcheck(stepped, x, branches="all"))
+    assert not side.found and side.forward_passes == 0
+    assert side.reason.startswith("the compared value is -inf at the point")
+
+
+def test_a_far_side_is_not_searched(gradcheck):
+    (side,) = gradcheck(far, torch.randn(3, requires_grad=True), branches="all").branches
+    assert not side.found and side.forward_passes == 0
+    assert "beyond MAX_DISTANCE=1: not reached, not searched" in side.reason
+
+
+def test_the_model_refuses_the_other_side(gradcheck):
+    x = torch.tensor([0.1, 0.2, 0.3], dtype=torch.float64, requires_grad=True)
+    side = at_the_if(gradcheck(guarded, x, branches="all"))
+    assert not side.found
+    assert side.reason.startswith("the model refused the inputs moved toward its other side by ")
+    assert "AssertionError: input out of range (raised at models.py:" in side.reason
+
+
+def test_other_sides_only_within_the_distance_stated(gradcheck):
+    torch.manual_seed(0)
+    result = gradcheck(Pondering(), torch.randn(3, 4, requires_grad=True), branches="all")
+    found = [side for side in result.branches if side.found]
+    beyond = [side for side in result.branches if "MAX_DISTANCE" in side.reason]
+    assert found and beyond
+    assert all(side.moved <= 1 for side in found)
+    assert "(at most 1; " in str(found[0])
+"""
+
+
+def test_branches_of_library_code_are_searched_only_where_it_makes_sense(plugin_pytester):
+    plugin_pytester.makepyfile(
+        models=LIBRARY_HABITS, test_habits="from models import *\n" + LIBRARY_HABITS_TESTS
+    )
+    result = plugin_pytester.runpytest_subprocess("-p", PLUGIN_MODULE, "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=4)

@@ -300,8 +300,9 @@ def test_conditions_count_as_written_and_probes_apart(plugin_pytester):
             "conditions.py:14: if x.sum() > 0:",
             "    branch: True x1, False x0 (never False); at check probes: True x*, False x*",
             'conditions.py:20: assert (x > 0).all(), "x must be positive"',
-            # The probe point that raised (a finite difference below 0) counts nothing.
-            "    branch: True x1, False x0 (never False)",
+            # The probe points that raised (finite differences below 0) count nothing; those
+            # gradcheck then takes with a smaller step count at check probes.
+            "    branch: True x1, False x0 (never False); at check probes: True x*, False x0",
             "    reached by 1 test(s): test_conditions.py::test_probe_points_that_fail",
         ]
     )

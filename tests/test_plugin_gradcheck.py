@@ -11,8 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-import torch
-import torch._dynamo
+import torch._dynamo  # noqa: F401
 from conftest import DEFAULT_PACKAGE, PLUGIN_MODULE
 
 # torch.utils.checkpoint imports torch._dynamo on first use. Imported here first, it
@@ -20,13 +19,7 @@ from conftest import DEFAULT_PACKAGE, PLUGIN_MODULE
 # the first session and import it again, registering its operator libraries twice.
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # On a busy machine, threads contending for tiny float64 matmuls make them 100x slower.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 # Models and autograd Functions shared by the sessions' test files.
@@ -156,6 +149,25 @@ class CorrectCube(Cube):
     def backward(ctx, g):
         (x,) = ctx.saved_tensors
         return g * 3 * x**2
+
+
+class TopOneMixture(nn.Module):
+    """Each row goes to the expert with the highest gate score (top-1 routing)."""
+
+    def __init__(self, experts=3, features=4, expert=lambda size: nn.Linear(size, size)):
+        super().__init__()
+        self.gate = nn.Linear(features, experts)
+        self.experts = nn.ModuleList(expert(features) for _ in range(experts))
+
+    def forward(self, x):
+        scores = self.gate(x)
+        weight, index = scores.softmax(-1).max(-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            rows = (index == e).nonzero().squeeze(1)
+            if rows.numel():
+                out = out.index_add(0, rows, weight[rows, None] * expert(x[rows]))
+        return out
 
 
 def mean_gated_at_boundary():
@@ -371,24 +383,35 @@ def test_bad_option(gradcheck):
 # (fnmatch patterns in which "[" stands for itself).
 EXPECTED_FAILURES = {
     "test_backward_off_by_small_factor": [
-        "E**WrongGradient: wrong first-order gradient of Linear with respect to input x[*",
+        "E**WrongGradient: wrong first-order gradient of Linear: the error enters in the custom "
+        "autograd Function ScaledInputGrad (its backward at helpers.py:*), applied at "
+        "helpers.py:* in the model (Linear)",
+        "E*on its own, at the inputs it got there: d output[*] / d input x[*]: numerical *, "
+        "analytical *",
+        "E*it reaches input x[*",
         "E*d output[*] / d input x[*]: numerical *, analytical *",
         "E*12 of 12 elements of input x are wrong; in all of them the analytical gradient"
         " is 1.05 times the numerical one",
         "E*checked Linear in float64 (eps=1e-06, atol=1e-05, rtol=0.001), slow mode (*",
     ],
     "test_backward_missing_a_term": [
-        "E**WrongGradient: wrong first-order gradient of SquareMissingTerm.apply with respect"
-        " to input inputs[0][*",
+        "E**WrongGradient: wrong first-order gradient of SquareMissingTerm.apply: the error "
+        "enters in the custom autograd Function SquareMissingTerm (its backward at helpers.py:*)",
+        "E*it reaches input inputs[0][*",
         "*the analytical gradient is 0.5 times the numerical one",
     ],
     "test_backward_wrong_sign": ["*WrongGradient*", "*the analytical gradient has the wrong sign*"],
     "test_backward_transposed_weight": [
-        "E**WrongGradient: wrong first-order gradient of Linear with respect to input x[*",
+        "E**WrongGradient: wrong first-order gradient of Linear: the error enters in the custom "
+        "autograd Function TransposedWeight (its backward at helpers.py:*)*",
+        "E*it reaches input x[*",
         "E*d output[*] / d input x[*]: numerical *, analytical *",
     ],
     "test_parameter_only_error": [
-        "E**WrongGradient: wrong first-order gradient of Linear with respect to parameter weight[*",
+        "E**WrongGradient: wrong first-order gradient of Linear: the error enters in the custom "
+        "autograd Function WrongWeightGrad *",
+        "E*on its own, at the inputs it got there: d output[*] / d input w[*]: numerical *",
+        "E*it reaches parameter weight[*",
         "*in all of them the analytical gradient is 0.9 times the numerical one",
     ],
     "test_wrong_second_order": [
@@ -398,15 +421,21 @@ EXPECTED_FAILURES = {
         "E*second order: *",
     ],
     "test_fast_mode_names_the_element": [
-        "E**WrongGradient: wrong first-order gradient of Wide with respect to parameter "
-        "l2.weight[100, 7]",
+        "E**WrongGradient: wrong first-order gradient of Wide: the error enters in the custom "
+        "autograd Function OneWrongWeightElement (its backward at helpers.py:*), applied at "
+        "helpers.py:* in l2 (Linear)",
+        "E*on its own, at the inputs it got there: d * / d input w[100, 7]: numerical *",
+        "E*it reaches parameter l2.weight[100, 7]:",
         "E*d output[*] / d parameter l2.weight[100, 7]: numerical *, analytical 0.5 *",
+        "E*narrowed down in * s by checking parts on their own (1 autograd Function call); the "
+        "diagnosis made * evaluations, *x the * of the check",
         "E*checked Wide in float64 *, fast mode (85,258 elements > FAST_MODE_ABOVE=2,048*"
         "; the failing tensor was then rechecked element by element",
     ],
     "test_branch_boundary": [
-        "E**BranchBoundary: cannot check the gradient of MeanGatedNet here: the input is within"
-        " eps of a branch boundary at decision #1 (*models.py:*)",
+        "E**BranchBoundary: cannot check the gradient of MeanGatedNet here: the point is within"
+        " eps of a branch boundary at decision #1 (*models.py:*): moving * by *eps sends that "
+        "decision the other way (an if, a comparison)",
         "E*at the point: decision #1: Tensor.__bool__ -> * at *models.py:*",
         "E*with * eps (1e-06): decision #1: Tensor.__bool__ -> * at *models.py:*",
         "*this is not a wrong gradient",
@@ -414,13 +443,15 @@ EXPECTED_FAILURES = {
     ],
     "test_branch_boundary_of_a_function": [
         "E**BranchBoundary: cannot check the gradient of forward_with_condition here: the "
-        "input is within eps of a branch boundary at decision #1 (*models.py:*)",
+        "point is within eps of a branch boundary at decision #1 (*models.py:*): moving input "
+        "x[0, 0] by +eps sends that decision the other way*",
         "E*at the point: decision #1: Tensor.__bool__ -> False at *",
         "E*with input x[0, 0] + eps (1e-06): decision #1: Tensor.__bool__ -> True at *",
     ],
     "test_loop_boundary_in_fast_mode": [
-        "E*BranchBoundary: cannot check the gradient of DynamicNet here: the input is within "
-        "eps of a branch boundary at decision #1 (*models.py:*)",
+        "E*BranchBoundary: cannot check the gradient of DynamicNet here: the point is within "
+        "eps of a branch boundary at decision #1 (*models.py:*): moving parameter encoder.* by "
+        "*eps *",
         "E*checked DynamicNet in float64 *, fast mode (fast=True: *; the failing tensor was then"
         " rechecked element by element",
     ],
@@ -580,10 +611,22 @@ EXPECTED_CONVENTION_FAILURES = {
     ],
     "test_wrong_parameter_gradient_behind_a_lambda": [
         "E*WrongGradient: wrong first-order gradient of "
-        "test_wrong_parameter_gradient_behind_a_lambda.<lambda> with respect to parameter "
-        "model.weight[*",
+        "test_wrong_parameter_gradient_behind_a_lambda.<lambda>: the error enters in the custom "
+        "autograd Function WrongWeightGrad (its backward at helpers.py:*), applied at "
+        "helpers.py:* in model (Linear)",
+        "E*it reaches parameter model.weight[*",
     ],
 }
+
+
+def check_session(
+    pytester: pytest.Pytester, source: str, *, passed: int, expected: dict[str, list[str]]
+) -> pytest.RunResult:
+    """Run ``source`` as a session: ``passed`` tests pass, the ``expected`` ones fail so."""
+    result = run_session(pytester, source)
+    result.assert_outcomes(passed=passed, failed=len(expected))
+    assert_failures(result, expected)
+    return result
 
 
 def assert_failures(result: pytest.RunResult, expected: dict[str, list[str]]) -> None:
@@ -754,13 +797,18 @@ def test_bits_of_a_float_tensor(gradcheck):
 
 EXPECTED_HABIT_FAILURES = {
     "test_hook_scaling_a_parameter_gradient": [
-        "E*WrongGradient: wrong first-order gradient of Linear with respect to parameter weight[*",
+        "E*WrongGradient: wrong first-order gradient of Linear: the error enters in the gradient "
+        "hook test_hook_scaling_a_parameter_gradient.<lambda> (test_session.py:*) of parameter "
+        "weight",
+        "E*it reaches parameter weight[*",
         "E*in all of them the analytical gradient is 0.5 times the numerical one",
         "E*parameter weight has gradient hook(s) test_hook_scaling_a_parameter_gradient.<lambda> "
         "(test_session.py:*): the gradient training sees goes through them*",
     ],
     "test_post_accumulate_hook_scaling_the_gradient": [
-        "E*WrongGradient: wrong first-order gradient of Linear with respect to parameter bias[*",
+        "E*WrongGradient: wrong first-order gradient of Linear: the error enters in the gradient "
+        "hook * (post-accumulate) of parameter bias",
+        "E*it reaches parameter bias[*",
         "E*in all of them the analytical gradient is 2 times the numerical one",
         "E*parameter bias has gradient hook(s) * (post-accumulate)*",
     ],
@@ -792,25 +840,6 @@ import pytest
 import torch
 from torch import nn
 from helpers import *
-
-
-class TopOneMixture(nn.Module):
-    \"\"\"Each row goes to the expert with the highest gate score (top-1 routing).\"\"\"
-
-    def __init__(self, experts=3, features=4):
-        super().__init__()
-        self.gate = nn.Linear(features, experts)
-        self.experts = nn.ModuleList(nn.Linear(features, features) for _ in range(experts))
-
-    def forward(self, x):
-        scores = self.gate(x)
-        weight, index = scores.softmax(-1).max(-1)
-        out = torch.zeros_like(x)
-        for e, expert in enumerate(self.experts):
-            rows = (index == e).nonzero().squeeze(1)
-            if rows.numel():
-                out = out.index_add(0, rows, weight[rows, None] * expert(x[rows]))
-        return out
 
 
 def mixture():
@@ -853,7 +882,10 @@ EXPECTED_MESSAGES = {
         "E*this is not a wrong gradient",
     ],
     "test_bug_in_one_expert": [
-        "E*WrongGradient: wrong first-order gradient of TopOneMixture with respect to input x[*",
+        "E*WrongGradient: wrong first-order gradient of TopOneMixture: the error enters in the "
+        "custom autograd Function BothGradientsWrong (its backward at helpers.py:*), applied at "
+        "helpers.py:* in experts.2 (Linear)",
+        "E*it reaches input x[*",
         "E*also wrong: parameter experts.2.weight (16 of 16 elements)",
     ],
 }

@@ -27,6 +27,7 @@ SHARED_FLOOR = frozenset(
         "global_state",  # torch's process-wide settings and RNGs: snapshot, compare, restore
         "naming",  # names of callables, inputs and tensor elements in reports
         "parameter_use",  # parameters a forward reaches, and the decisions that decide it
+        "parts",  # the autograd Functions and submodule calls of one forward, with their inputs
         "rewrites",  # the rewrite that takes a data-dependent decision out of Python
         "sources",  # a source file parsed once: nodes, parents, expressions by span
         "runs",  # one forward and backward, its cotangents and typed results

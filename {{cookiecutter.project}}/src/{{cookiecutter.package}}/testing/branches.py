@@ -8,13 +8,18 @@ comparison's margin during one forward, then for each branch moves the inputs al
 the gradient of its margin (a Newton step across the boundary, on to a point as far
 beyond it as needed for finite differences not to cross back), doubling the step
 when the boundary is farther than the linear guess and bisecting once it is
-crossed, within a bounded number of forward passes per decision. Branches on a
-tensor that is no comparison (``if mask.any()``) have no margin to move along; they
-are reported as such.
+crossed, within a bounded number of forward passes per decision and within
+``MAX_DISTANCE`` of the inputs' norm: a point farther away is another input, not the
+other side of this one. Branches on a tensor that is no comparison (``if mask.any()``)
+have no margin to move along, and a margin that is not finite (a comparison with
+``inf``) has no finite distance to cross: both are reported as such, not searched. A
+moved input the model refuses (it raises: a solver's assertion) ends that decision's
+search, and the result says so.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
@@ -23,8 +28,14 @@ from typing import Any
 import torch
 
 from .control_flow import UNKNOWN_LOCATION, DecisionMode, Location, user_location
+from .failures import raised
 
-__all__ = ["BranchSide", "other_sides"]
+__all__ = ["MAX_DISTANCE", "BranchSide", "other_sides"]
+
+# The other side of a branch is looked for within this distance of the point, relative
+# to the norm of the inputs moved: a point as far away as the inputs are large is a
+# different input, whose gradients say nothing about this one's branch.
+MAX_DISTANCE = 1.0
 
 # Each comparison, with the sign that makes "True" mean "margin > 0".
 _COMPARISONS: dict[Any, int] = {}
@@ -101,7 +112,8 @@ class BranchSide:
         if self.found:
             return (
                 f"{where}: {self.at_point} at the point, {other} with the inputs moved by "
-                f"{self.moved:.3g} of their norm ({self.forward_passes} forward passes)"
+                f"{self.moved:.3g} of their norm (at most {MAX_DISTANCE:g}; "
+                f"{self.forward_passes} forward passes)"
             )
         return f"{where}: {self.at_point} at the point; {other} not checked: {self.reason}"
 
@@ -162,17 +174,29 @@ def _search(evaluate, values, movable, branch, gradients, eps, max_passes) -> Br
     ]
     squared = sum(float(g.square().sum()) for g in gradients)
     common = (branch.location, branch.occurrence, branch.outcome)
+    margin = float(branch.margin.detach())
+    if not math.isfinite(margin) or not math.isfinite(squared):
+        what = "compared value" if not math.isfinite(margin) else "gradient of the compared value"
+        value = margin if not math.isfinite(margin) else squared
+        return BranchSide(
+            *common,
+            False,
+            0,
+            reason=f"the {what} is {value} at the point: no finite step crosses to the other side",
+        )
     if squared == 0.0:
         return BranchSide(
             *common, False, 0, reason="the gradient of the compared value is zero here"
         )
-    margin = float(branch.margin.detach())
     largest = max(float(g.abs().max()) for g in gradients)
     clearance = _CLEARANCE * eps * largest
-    # Along d, to first order the margin changes by -sign(margin) per unit of t.
+    # Along d, to first order the margin changes by -sign(margin) per unit of t, and the
+    # inputs move by t / |gradient|: t_max is MAX_DISTANCE of the inputs' norm.
     direction = [-(1.0 if margin > 0 else -1.0) * g / squared for g in gradients]
     norm = sum(float(values[i].square().sum()) for i in movable) ** 0.5 or 1.0
+    t_max = MAX_DISTANCE * norm * squared**0.5
     passes = 0
+    refusal: list[str] = []
 
     def moved_to(t: float) -> list[torch.Tensor]:
         moved = list(values)
@@ -183,24 +207,46 @@ def _search(evaluate, values, movable, branch, gradients, eps, max_passes) -> Br
     def flipped(t: float) -> bool | None:
         nonlocal passes
         passes += 1
-        with torch.no_grad():
-            for other in _record(evaluate, moved_to(t)):
-                if _key(other) == _key(branch):
-                    return other.outcome != branch.outcome
+        try:
+            with torch.no_grad():
+                recorded = _record(evaluate, moved_to(t))
+        except Exception as error:  # the model refuses this input: no verdict on it
+            refusal.append(f"{t / t_max * MAX_DISTANCE:.3g} of their norm ({raised(error)})")
+            return None
+        for other in recorded:
+            if _key(other) == _key(branch):
+                return other.outcome != branch.outcome
         return None  # the decision is not made there
 
-    low, high = 0.0, abs(margin) + max(clearance, min(abs(margin), 10 * clearance))
+    high = abs(margin) + max(clearance, min(abs(margin), 10 * clearance))
+    if high > t_max:
+        reason = (
+            f"by the slope of the compared value its other side is about "
+            f"{high / t_max * MAX_DISTANCE:.3g} of the inputs' norm away, beyond "
+            f"MAX_DISTANCE={MAX_DISTANCE:g}: not reached, not searched"
+        )
+        return BranchSide(*common, False, 0, reason=reason)
+    low = 0.0
     while passes < max_passes:
         outcome = flipped(high)
         if outcome:
             break
         if outcome is None:
             reason = (
-                f"with the inputs moved toward its other side, the forward made no decision "
-                f"#{branch.occurrence} at {branch.location}"
+                f"the model refused the inputs moved toward its other side by {refusal[0]}; "
+                "this side is not checked"
+                if refusal
+                else f"with the inputs moved toward its other side, the forward made no "
+                f"decision #{branch.occurrence} at {branch.location}"
             )
             return BranchSide(*common, False, passes, reason=reason)
-        low, high = high, high * 2
+        if high >= t_max:
+            reason = (
+                f"not reached within MAX_DISTANCE={MAX_DISTANCE:g} of the inputs' norm "
+                f"({passes} forward passes)"
+            )
+            return BranchSide(*common, False, passes, reason=reason)
+        low, high = high, min(high * 2, t_max)
     else:
         reason = f"no input on the other side found within {max_passes} forward passes"
         return BranchSide(*common, False, passes, reason=reason)
@@ -209,8 +255,11 @@ def _search(evaluate, values, movable, branch, gradients, eps, max_passes) -> Br
         if passes >= max_passes - 1 or high - low <= max(clearance, 0.25 * high):
             break
         middle = (low + high) / 2
-        if flipped(middle):
+        outcome = flipped(middle)
+        if outcome:
             high = middle
+        elif outcome is None:
+            break  # refused or not made there: the crossing found so far stands
         else:
             low = middle
     final = moved_to(high)

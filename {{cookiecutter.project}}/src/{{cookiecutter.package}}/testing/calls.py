@@ -119,22 +119,30 @@ def reached_modules(function: Callable[..., Any]) -> list[tuple[str, nn.Module]]
     return found
 
 
+# What holds no module and no callable holding one: skipped without a closer look.
+_ATOMS = frozenset({torch.Tensor, nn.Parameter, int, float, bool, complex, str, bytes, type(None)})
+# Globals a function reads that are no container of modules (Python modules, classes,
+# functions), told apart before the slower check for a Mapping.
+_NEVER_HOLD = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType)
+
+
 def _reach(value: Any, prefix: str, found: list, seen: set[int], depth: int) -> None:
-    if depth < 0 or id(value) in seen:
+    if depth < 0 or type(value) in _ATOMS or id(value) in seen:
         return
     seen.add(id(value))
     if isinstance(value, nn.Module):
         found.append((prefix, value))
         return
-    if isinstance(value, (list, tuple, Mapping)) and len(value) > _REACH_ITEMS:
-        return
-    if isinstance(value, Mapping):
-        for key, item in value.items():
-            _reach(item, f"{prefix}[{key!r}]", found, seen, depth - 1)
-        return
     if isinstance(value, (list, tuple)):
-        for index, item in enumerate(value):
-            _reach(item, f"{prefix}[{index}]", found, seen, depth - 1)
+        if len(value) <= _REACH_ITEMS:
+            for index, item in enumerate(value):
+                _reach(item, f"{prefix}[{index}]", found, seen, depth - 1)
+        return
+    # The abstract Mapping check is slow: asked only of what is not a callable.
+    if isinstance(value, dict) or (not callable(value) and isinstance(value, Mapping)):
+        if len(value) <= _REACH_ITEMS:
+            for key, item in value.items():
+                _reach(item, f"{prefix}[{key!r}]", found, seen, depth - 1)
         return
     for name, item in _held_by_callable(value):
         _reach(item, _join(prefix, name), found, seen, depth - 1)
@@ -189,7 +197,11 @@ def _global_names(code: types.CodeType) -> Iterator[str]:
 
 def _may_hold(value: Any) -> bool:
     """A module, or a list, tuple or dict that may hold modules; not a module of Python code."""
-    return isinstance(value, (nn.Module, list, tuple, Mapping))
+    if isinstance(value, (nn.Module, list, tuple, dict)):
+        return True
+    if type(value) in _ATOMS or isinstance(value, _NEVER_HOLD):
+        return False
+    return isinstance(value, Mapping)
 
 
 def _join(prefix: str, name: str) -> str:

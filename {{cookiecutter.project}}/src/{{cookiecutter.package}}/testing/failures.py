@@ -1,14 +1,20 @@
-"""The base class of every check's failures.
+"""The base class of every check's failures, and the model's own exceptions in one line.
 
 Each check has one failure class of its own, derived from :class:`CheckFailure`,
 that names the check (``check``); everything it raises derives from that class, so
 a code path the checks share (the floor) raises the failure of the check that
-runs it, never another check's.
+runs it, never another check's. :func:`raised` words an exception the model raised
+where a check probed it (a finite-difference input, a moved point), for the report
+that says what the check did instead.
 """
 
 from __future__ import annotations
 
-__all__ = ["CheckFailure", "quoted"]
+import traceback
+
+from .control_flow import display_path
+
+__all__ = ["CheckFailure", "quoted", "raised"]
 
 
 class CheckFailure(AssertionError):
@@ -24,3 +30,11 @@ def quoted(error: BaseException) -> str:
     """``Type: first line of the message``: how a failure quotes the error torch raised."""
     text = str(error).strip()
     return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+def raised(error: BaseException) -> str:
+    """``AssertionError: underflow in dt (raised at solvers.py:40)``: :func:`quoted`, and
+    the line that raised it (the model's own exception, where a check probed it)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f" (raised at {display_path(frames[-1].filename)}:{frames[-1].lineno})"
+    return quoted(error) + (where if frames else "")

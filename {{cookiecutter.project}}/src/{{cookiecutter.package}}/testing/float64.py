@@ -29,7 +29,7 @@ from torch.utils._device import DeviceContext, _device_constructors
 
 from .control_flow import UNKNOWN_LOCATION, Location, user_location
 
-__all__ = ["CannotStayFloat64", "Float64Mode", "Widening"]
+__all__ = ["NARROW", "CannotStayFloat64", "Float64Mode", "Narrowing", "Widening", "writes"]
 
 WIDE = {
     torch.float32: torch.float64,
@@ -50,13 +50,67 @@ _TYPE_NAMES = {
     for device in ("", "cuda.")
     for narrow in ("Float", "Half", "BFloat16")
 }
+# Where an op has no float64 kernel, it runs on float32 copies (see Float64Mode._in_float32).
+NARROW = {torch.float64: torch.float32, torch.complex128: torch.complex64}
 _WITH_DTYPE_ARGUMENT = (torch.Tensor.to, torch.Tensor.type)
+# What reads a tensor's metadata, not its values: a narrow tensor passed to these is
+# not widened (nor reported).
+_METADATA_METHODS = (
+    "dim",
+    "ndimension",
+    "size",
+    "stride",
+    "numel",
+    "nelement",
+    "__len__",
+    "is_floating_point",
+    "is_complex",
+    "is_contiguous",
+    "element_size",
+    "data_ptr",
+    "storage_offset",
+    "get_device",
+    "is_conj",
+    "is_neg",
+)
+_METADATA_PROPERTIES = (
+    "shape",
+    "dtype",
+    "device",
+    "ndim",
+    "requires_grad",
+    "is_leaf",
+    "grad_fn",
+    "layout",
+    "is_cuda",
+    "is_sparse",
+    "is_meta",
+)
+_METADATA = frozenset(
+    {
+        *(getattr(torch.Tensor, name) for name in _METADATA_METHODS),
+        *(getattr(torch.Tensor, name).__get__ for name in _METADATA_PROPERTIES),
+    }
+)
 _SPECIAL = frozenset({*_CASTS, *_WITH_DTYPE_ARGUMENT, torch.Tensor.view})
 _CONTAINERS = (list, tuple)
 
 
 class CannotStayFloat64(TypeError):
     """The forward does something with a float tensor that only its narrow dtype allows."""
+
+
+@dataclass(frozen=True)
+class Narrowing:
+    """An op that has no float64 kernel here: it ran on ``dtype`` copies, widened back."""
+
+    op: str
+    dtype: torch.dtype
+    location: Location
+    reason: str  # what torch said in float64
+
+    def __str__(self) -> str:
+        return f"{self.op} at {self.location} ({self.reason})"
 
 
 @dataclass(frozen=True)
@@ -86,7 +140,11 @@ class Float64Mode(DeviceContext):
 
     def __init__(self) -> None:
         super().__init__(torch.get_default_device())
-        self.widened: dict[tuple[str, str], Widening] = {}
+        self.widened: dict[Any, Widening] = {}
+        self.narrowed: dict[tuple[str, Location], Narrowing] = {}
+        # By id of a narrow tensor from outside the check: (it, its version, the float64
+        # copy, the copy's version).
+        self._copies: dict[int, tuple[torch.Tensor, int, torch.Tensor, int]] = {}
         # Factories need the device filled in only if a default device other than the
         # CPU was set (that DeviceContext is replaced by this one while it is active).
         self._constructors = (
@@ -118,9 +176,34 @@ class Float64Mode(DeviceContext):
                     self._reject_reinterpretation(args[0], args[1])
             else:
                 args = tuple(self._widen_dtype(func, a) if i else a for i, a in enumerate(args))
-        if _has_narrow(args):
+        if func not in _METADATA and _has_narrow(args):
             args = tuple(self._widen_tensor(func, a) for a in args)
-        return func(*args, **kwargs)
+        try:
+            return func(*args, **kwargs)
+        except (RuntimeError, NotImplementedError) as error:
+            return self._in_float32(func, args, kwargs, error)
+
+    def _in_float32(self, func, args: tuple, kwargs: dict, error: Exception) -> Any:
+        """``func`` on float32 copies of its float64 arguments, its result widened back.
+
+        For an op that has no float64 kernel on this device (``torch._grouped_mm`` on the
+        CPU): ``error`` is what it raised in float64. An op that fails in float32 too, or
+        that writes into a tensor (in place, ``out=``), gets ``error`` back unchanged.
+        """
+        if writes(func, kwargs) or not _holds(args, kwargs, NARROW):
+            raise error
+        try:
+            result = func(*_cast(args, NARROW), **_cast(kwargs, NARROW))
+        except Exception:
+            raise error from None
+        location = _location()
+        key = (_name(func), location)
+        if key not in self.narrowed:
+            reason = (
+                str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            )
+            self.narrowed[key] = Narrowing(_name(func), torch.float32, location, reason)
+        return _cast(result, WIDE)
 
     def _widen_dtype(self, func, argument: Any) -> Any:
         if isinstance(argument, torch.dtype) and argument in WIDE:
@@ -136,11 +219,25 @@ class Float64Mode(DeviceContext):
     def _widen_tensor(self, func, argument: Any) -> Any:
         if type(argument) in (list, tuple):
             return type(argument)(self._widen_tensor(func, item) for item in argument)
-        if isinstance(argument, torch.Tensor) and argument.dtype in WIDE:
-            what = f"a {argument.dtype} tensor made outside the check, passed to {_name(func)}"
-            self._note(what, argument.dtype)
-            return argument.to(WIDE[argument.dtype])
-        return argument
+        if not (isinstance(argument, torch.Tensor) and argument.dtype in WIDE):
+            return argument
+        # A tensor from outside (a closure's constant) is widened once per check and
+        # reported once, where it was first widened: every later use gets the same copy
+        # while neither tensor was changed in place.
+        known = self._copies.get(id(argument))
+        if known is not None:
+            original, version, wide, wide_version = known
+            if original._version == version and wide._version == wide_version:
+                return wide
+        self._note(
+            f"a {argument.dtype} tensor made outside the check, first used by {_name(func)}",
+            argument.dtype,
+            key=("tensor", id(argument)),
+        )
+        wide = argument.to(WIDE[argument.dtype])
+        if not argument.requires_grad:  # a copy in a graph belongs to one evaluation only
+            self._copies[id(argument)] = (argument, argument._version, wide, wide._version)
+        return wide
 
     def _reject_reinterpretation(self, tensor: torch.Tensor, dtype: torch.dtype) -> None:
         if (tensor.is_floating_point() or tensor.is_complex()) and dtype.itemsize != (
@@ -154,11 +251,41 @@ class Float64Mode(DeviceContext):
                 f"or move the bit manipulation out of the function under check"
             )
 
-    def _note(self, what: str, asked: torch.dtype) -> None:
+    def _note(self, what: str, asked: torch.dtype, key: Any = None) -> None:
+        if key is not None and key in self.widened:
+            return
         location = _location()
-        key = (what, location)
+        key = key or (what, location)
         if key not in self.widened:
             self.widened[key] = Widening(what, asked, location)
+
+
+def _holds(args: tuple, kwargs: dict, dtypes: dict) -> bool:
+    """Whether a tensor of one of ``dtypes`` is among the arguments (or in a list there)."""
+    return any(_holds_one(value, dtypes) for value in (*args, *kwargs.values()))
+
+
+def _holds_one(value: Any, dtypes: dict) -> bool:
+    if isinstance(value, torch.Tensor):
+        return value.dtype in dtypes
+    return type(value) in _CONTAINERS and any(_holds_one(item, dtypes) for item in value)
+
+
+def _cast(value: Any, dtypes: dict) -> Any:
+    """``value`` with each tensor of a dtype in ``dtypes`` cast to the dtype it maps to."""
+    if isinstance(value, torch.Tensor):
+        return value.to(dtypes[value.dtype]) if value.dtype in dtypes else value
+    if type(value) in _CONTAINERS:
+        return type(value)(_cast(item, dtypes) for item in value)
+    if type(value) is dict:
+        return {key: _cast(item, dtypes) for key, item in value.items()}
+    return value
+
+
+def writes(func: Any, kwargs: dict) -> bool:
+    """Whether ``func`` writes into a tensor it is given: in place or through ``out=``."""
+    name = getattr(func, "__name__", "")
+    return kwargs.get("out") is not None or (name.endswith("_") and not name.endswith("__"))
 
 
 def _has_narrow(values: Any) -> bool:

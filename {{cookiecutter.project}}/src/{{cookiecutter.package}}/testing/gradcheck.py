@@ -3,38 +3,51 @@
 ``gradcheck(model, x)`` compares the gradients autograd computes with finite
 differences, for the inputs that require grad and every trainable parameter of the
 modules the callable reaches (:mod:`.calls`). It computes in float64 end to end
-(:mod:`.float64`): the modules hold float64 copies of their parameters and buffers
-while it runs and get their own tensors back afterwards, so the model and tensors
-passed in keep their dtype, values, device, ``requires_grad``, ``.grad`` and hooks.
-Parameter gradient hooks run on the copies: they are part of the checked gradient.
-Slow mode and second order use ``torch.autograd.gradcheck``/``gradgradcheck``;
-when a check fails, this module finds the element that is wrong and says why:
+(:mod:`.float64`; an op without a float64 kernel runs in float32, and the check then
+takes float32's tolerances): the modules hold float64 copies of their parameters and
+buffers while it runs and get their own tensors back afterwards, so the model and
+tensors passed in keep their dtype, values, device, ``requires_grad``, ``.grad`` and
+hooks. Parameter gradient hooks run on the copies: they are part of the checked
+gradient. Outputs are taken as torch's check takes them (conjugate views resolved,
+complex ones as real pairs, those autograd does not connect to the checked tensors
+left out), empty tensors anywhere. Slow mode and second order use
+``torch.autograd.gradcheck``/``gradgradcheck``; when a check fails, this module finds
+the element that is wrong and says why:
 
-- a wrong gradient: the tensor and element (``parameter fc2.weight[3, 1]``), the
-  output element, the numerical and analytical values, the other wrong tensors;
+- a wrong gradient: where it enters (a gradient hook, a custom autograd Function or
+  the smallest submodule wrong on its own, each checked on its own at the inputs it
+  got, :mod:`.parts`), then what it reaches: the tensor and element (``parameter
+  fc2.weight[3, 1]``), the output element, the numerical and analytical values, the
+  other wrong tensors;
 - a branch boundary: the finite differences took another branch of a data-dependent
   decision (``if h.mean() > 0``) than the point itself, found by recording each
-  evaluation's decisions with :mod:`.control_flow`;
+  evaluation's decisions with :mod:`.control_flow`: an input or a parameter crossed
+  it, the decision went the other way or a loop ran a different number of times;
 - a kink: the one-sided differences disagree (relu, abs, max, clamp evaluated exactly
-  where they switch); a jump when the outputs change as much over half the step.
+  where they switch); a jump when the outputs change as much over half the step;
+- a refused input: the model raised at every finite-difference input near the point
+  (an exception at one is never the verdict: the step shrinks first).
 
 Cost. Slow mode compares every element: two forward passes per checked element, and
 one backward pass per output element. Fast mode (first order) takes one backward
 pass for the gradient of a random weighting of the outputs, and two forward passes
-per checked tensor for its derivative along a direction of random signs, whatever
+per checked tensor for its derivative along a random direction, whatever
 the tensor's size; a tensor whose derivatives disagree, or differ by more than a
 single wrong element of 1% of its largest gradient element would make them, is
-searched by bisection (above ``ELEMENTWISE_LIMIT`` elements) and rechecked element
-by element, so a failure still names an element. With ``fast=None`` fast mode is
-used above ``FAST_MODE_ABOVE`` checked elements.
+searched by bisection and rechecked element by element, so a failure still names an
+element. With ``fast=None`` fast mode is used above ``FAST_MODE_ABOVE`` checked
+elements. A failing check's diagnosis makes at most ``DIAGNOSIS_MULTIPLE`` times the
+evaluations of the check itself (plus ``DIAGNOSIS_FLOOR``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import enum
+import inspect
 import math
 import re
+import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,6 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.gradcheck import GradcheckError
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from .branches import BranchSide, other_sides
@@ -54,18 +68,22 @@ from .calls import (
     reject_data_less,
     reject_unknown_keywords,
 )
+from .comparison import bitwise_equal
 from .control_flow import (
+    UNKNOWN_LOCATION,
     Decision,
     DecisionLog,
+    Location,
     display_path,
     first_divergence,
     probing,
     record_decisions,
+    user_location,
 )
-from .failures import CheckFailure
-from .float64 import CannotStayFloat64, Float64Mode, Widening
-from .global_state import restore, snapshot
+from .failures import CheckFailure, quoted, raised
+from .float64 import CannotStayFloat64, Float64Mode, Narrowing, Widening, writes
 from .naming import describe_callable, element_name, input_names
+from .parts import FunctionCall, ModuleCall, Parts, State, definition, record_parts
 from .trees import named_leaves
 
 # Above this many checked elements (inputs and parameters together) fast=None picks
@@ -75,33 +93,57 @@ FAST_MODE_ABOVE = 2048
 # first narrowed down by bisection over random directions.
 ELEMENTWISE_LIMIT = 1024
 # Fast mode flags a tensor for an element-wise search when its directional derivatives
-# disagree by this fraction of its largest gradient element (over √n, see _Check._screen):
-# a single element wrong by 1% of that is found with a margin of 4x.
+# disagree by this fraction of its largest gradient element (times the direction's
+# smallest weight, see _Check._screen): a single element wrong by 1% of that is found
+# with a margin of 4x.
 SCREENING_FRACTION = 0.0025
 # The diagnosis compares each output element separately up to this many output
 # elements (one backward pass each); above, one random weighting of the outputs.
 OUTPUT_ELEMENTS_LIMIT = 1024
-# Each evaluation of the function starts from this seed, so dropout drops the same
-# units in every evaluation.
+# The seed of the check's own random numbers (output weights, directions, moved points).
+# Each evaluation of the function starts from the generator states the check started
+# with, so dropout drops the same units in every evaluation.
 EVALUATION_SEED = 1234
 # avoid_boundaries=True: how far, and how many times, the point is moved.
 JITTER_SCALE = 1e-3
 JITTER_ATTEMPTS = 3
 
+# A failing check's diagnosis (which element, why, where the error enters) makes at
+# most this many times the evaluations the check made before it failed (a passing
+# check's cost) plus DIAGNOSIS_FLOOR: the element search comes first; the other
+# tensors' elements and the parts checked on their own get what is left.
+DIAGNOSIS_MULTIPLE = 20
+DIAGNOSIS_FLOOR = 64
+# When a wrong first-order gradient is found, at most this many parts of the forward
+# (custom autograd Functions, submodules) are checked on their own, each in fast mode.
+LOCALIZATION_PARTS = 16
+# Where an op has no float64 kernel and runs in float32 (float64.Narrowing), the check
+# takes the step and tolerances of a float32 gradient check: with eps=1e-3 the rounding
+# of a float32 result (about 1e-7 of its size, divided by eps) and the truncation error
+# of the central difference (about eps², 1e-6) both stay near 1e-4 of the gradient, a
+# tenth of the tolerances; a wrong gradient off by 5% (or a wrong element) still fails.
+FLOAT32_TOLERANCES = (1e-3, 1e-3, 1e-2)  # eps, atol, rtol
+# When the model raises at a finite-difference input (a solver's assertion), the step
+# shrinks this many times by STEP_SHRINK before the point is reported as uncheckable.
+STEP_RETRIES = 2
+STEP_SHRINK = 10.0
+
+# A part's evaluation counts as at least this share of one of the whole model.
+_SMALLEST_SHARE = 1 / 64
 _BISECTION_BLOCK = 16
-# Once boundaries or kinks explain the failure, the remaining tensors are examined for
-# wrong gradients only until the diagnosis has cost this many evaluations.
-_DIAGNOSIS_EVALUATIONS = 2 * FAST_MODE_ABOVE
 _ANALYTICAL_ENTRIES_LIMIT = 1 << 23
 
 __all__ = [
     "ELEMENTWISE_LIMIT",
     "FAST_MODE_ABOVE",
     "BranchBoundary",
+    "ErrorSource",
     "GradcheckFailure",
     "GradcheckResult",
     "NonDifferentiablePoint",
     "OutputJump",
+    "RefusedProbe",
+    "SourceKind",
     "WrongGradient",
     "gradcheck",
 ]
@@ -113,8 +155,52 @@ class GradcheckFailure(CheckFailure):
     check = "gradcheck"
 
 
+class SourceKind(enum.Enum):
+    """The kind of place where a wrong gradient enters."""
+
+    FUNCTION = "custom autograd Function"
+    MODULE = "submodule"
+    HOOK = "gradient hook"
+
+
+@dataclass(frozen=True)
+class ErrorSource:
+    """Where a wrong gradient enters: the smallest part found wrong on its own.
+
+    ``name`` is the Function's class, the module's name and class, or the hook;
+    ``location`` the line of the Function's ``backward`` (of the hook); ``applied_at``
+    the user's line that applied the Function and ``module`` the module it ran in;
+    ``tensor``, ``index``, ``numerical`` and ``analytical`` the part's own wrong element
+    (its input, named as its forward names it).
+    """
+
+    kind: SourceKind
+    name: str
+    location: Location
+    applied_at: Location | None = None
+    module: str = ""
+    tensor: str = ""
+    index: tuple[int, ...] = ()
+    numerical: float = 0.0
+    analytical: float = 0.0
+
+    def __str__(self) -> str:
+        if self.kind is SourceKind.FUNCTION:
+            applied = f", applied at {self.applied_at}" if self.applied_at else ""
+            where = f" in {self.module}" if self.module else ""
+            backward = f"its backward at {self.location}"
+            return f"the {self.kind.value} {self.name} ({backward}){applied}{where}"
+        if self.kind is SourceKind.HOOK:
+            return f"the {self.kind.value} {self.name} of {self.tensor}"
+        return f"the {self.kind.value} {self.name}" if self.module else self.name
+
+
 class WrongGradient(GradcheckFailure):
-    """Autograd's gradient differs from the finite differences at ``tensor[index]``."""
+    """Autograd's gradient differs from the finite differences at ``tensor[index]``.
+
+    ``source`` says where the error enters when the check narrowed it down to a
+    custom autograd Function, a submodule or a gradient hook (``None`` otherwise).
+    """
 
     def __init__(
         self,
@@ -125,10 +211,22 @@ class WrongGradient(GradcheckFailure):
         order: int,
         numerical: float,
         analytical: float,
+        source: ErrorSource | None = None,
     ) -> None:
         super().__init__(message)
         self.tensor, self.index, self.order = tensor, index, order
         self.numerical, self.analytical = numerical, analytical
+        self.source = source
+        self.output = "output"  # the output element it was compared on
+
+
+class RefusedProbe(GradcheckFailure):
+    """The model raised at every finite-difference input near the point, down to the
+    smallest step: the gradient cannot be checked there (not a wrong gradient)."""
+
+    def __init__(self, message: str, *, tensor: str, error: BaseException) -> None:
+        super().__init__(message)
+        self.tensor, self.error = tensor, error
 
 
 class BranchBoundary(GradcheckFailure):
@@ -181,6 +279,13 @@ class GradcheckResult:
     seconds: float
     widened: tuple[str, ...] = ()
     branches: tuple[BranchSide, ...] = ()  # with branches="all": each decision's other side
+    # Ops without a float64 kernel, run in float32; then the step and tolerances used.
+    narrowed: tuple[str, ...] = ()
+    tolerances: tuple[float, float, float] = (1e-6, 1e-5, 1e-3)  # eps, atol, rtol
+    # Inputs the model raised at, and the smaller step checked with instead.
+    refused: tuple[str, ...] = ()
+    # Buffers the forward changes: restored before each evaluation, their writes held.
+    held_buffers: tuple[str, ...] = ()
 
     @property
     def elements(self) -> int:
@@ -193,7 +298,8 @@ class GradcheckResult:
             f"gradcheck {self.function}: {order} order passed in {self.seconds:.2f} s, "
             f"{_mode_text(self.fast, self.mode_reason)}, {len(self.tensors)} tensor(s) "
             f"({', '.join(name for name, _ in self.tensors)}){moved}{_widened_text(self.widened)}"
-            f"{_branches_text(self.branches)}"
+            f"{_narrowed_text(self.narrowed, self.tolerances)}{_refused_text(self.refused)}"
+            f"{_held_text(self.held_buffers)}{_branches_text(self.branches)}"
         )
 
 
@@ -201,6 +307,29 @@ def _branches_text(branches: Sequence[BranchSide]) -> str:
     if not branches:
         return ""
     return "; branches: " + "; ".join(str(side) for side in branches)
+
+
+def _narrowed_text(narrowed: Sequence[str], tolerances: tuple[float, float, float]) -> str:
+    if not narrowed:
+        return ""
+    eps, atol, rtol = tolerances
+    return (
+        f"; computed in float32 where no float64 kernel exists: {', '.join(narrowed)}; "
+        f"checked with eps={eps:g}, atol={atol:g}, rtol={rtol:g}"
+    )
+
+
+def _refused_text(refused: Sequence[str]) -> str:
+    return "; " + "; ".join(refused) if refused else ""
+
+
+def _held_text(held: Sequence[str]) -> str:
+    if not held:
+        return ""
+    return (
+        f"; buffers the forward changes ({', '.join(held)}): restored before each evaluation, "
+        f"and what the forward writes into them outside autograd held at its value at the point"
+    )
 
 
 def _widened_text(widened: Sequence[str]) -> str:
@@ -246,13 +375,16 @@ def gradcheck(
     Everything computes in float64 (see :mod:`.float64`); the model and the tensors
     passed in are left as they were. Raises a :class:`GradcheckFailure` (an
     ``AssertionError``) naming the element on failure, ``TypeError``/``ValueError`` for
-    arguments it cannot check. The global torch state (RNGs included) is the same
-    afterwards as before.
+    arguments it cannot check (an integer input an op fails on: a ``TypeError`` naming
+    it). torch's default dtype and its random number generators are as they were before
+    (every evaluation starts from the generators' states at the start); the check takes
+    no snapshot of the rest of torch's settings, which the plugin restores after each
+    test.
     """
     __tracebackhide__ = True
     reject_unknown_keywords("gradcheck", unknown, _OPTIONS)
     kwargs = forward_kwargs_of("gradcheck", forward_kwargs)
-    if isinstance(params, Iterable) and not isinstance(params, (str, bytes)):
+    if not isinstance(params, (bool, str, bytes)) and isinstance(params, Iterable):
         params = list(params)
     _validate_options(model_or_function, params, gradgrad, fast, eps, atol, rtol, avoid_boundaries)
     if branches not in BRANCH_CHOICES:
@@ -260,69 +392,438 @@ def gradcheck(
             f"gradcheck: branches={branches!r} is not allowed: expected one of "
             f"{', '.join(map(repr, BRANCH_CHOICES))}"
         )
-    state = snapshot()
     started = time.perf_counter()
+    problem = _Problem(model_or_function, inputs, kwargs, params)
+    elements = sum(checked.numel for checked in problem.checked)
+    if fast is None:
+        use_fast = elements > FAST_MODE_ABOVE
+        relation = ">" if use_fast else "<="
+        reason = f"{elements:,} elements {relation} FAST_MODE_ABOVE={FAST_MODE_ABOVE:,}"
+    else:
+        use_fast, reason = fast, f"fast={fast}"
+    orders = (1, 2) if gradgrad else (1,)
+    check = _Check(problem, fast=use_fast, reason=reason, eps=eps, atol=atol, rtol=rtol)
+    with _rngs_kept(problem.generators) as states:
+        problem.start_from(states)
+        try:
+            moved, sides = _run(problem, check, orders, avoid_boundaries, branches)
+        except WrongGradient as failure:
+            if failure.order != 1:
+                raise
+            raise _localized(problem, check, failure) from None
+        except _OnTheOtherSide as other:
+            failure = other.failure
+            if isinstance(failure, WrongGradient) and failure.order == 1:
+                failure = _localized(problem, check, failure, other.side.values)
+            raise other.reported(failure) from None
+        except (GradcheckFailure, CannotStayFloat64):
+            raise
+        except Exception as error:
+            explained = problem.explain(error)
+            if explained is None:
+                raise
+            raise explained from None
+    return GradcheckResult(
+        function=problem.description,
+        tensors=tuple((c.name, c.numel) for c in problem.checked),
+        orders=orders,
+        fast=use_fast,
+        mode_reason=reason,
+        moved=moved,
+        seconds=time.perf_counter() - started,
+        widened=tuple(str(w) for w in problem.widened.values()),
+        branches=sides,
+        narrowed=tuple(str(n) for n in problem.narrowed.values()),
+        tolerances=(check.eps, check.atol, check.rtol),
+        refused=tuple(check.refused),
+        held_buffers=problem.held_buffers,
+    )
+
+
+def _run(
+    problem: _Problem,
+    check: _Check,
+    orders: tuple[int, ...],
+    avoid_boundaries: bool,
+    branches: str,
+) -> tuple[int, tuple[BranchSide, ...]]:
+    """Check each order at the point (moved off boundaries on request), then the other
+    sides of its branches; how often the point moved, and the sides."""
+    __tracebackhide__ = True
+    moved = 0
+    with problem.installed():
+        while True:
+            try:
+                for order in orders:
+                    check.run(order)
+                break
+            except (BranchBoundary, NonDifferentiablePoint) as failure:
+                if not avoid_boundaries:
+                    raise
+                if moved == JITTER_ATTEMPTS:
+                    note = f"(still so after moving the point {moved} times: avoid_boundaries=True)"
+                    failure.args = (f"{failure}\n{note}",)
+                    raise
+                moved += 1
+                problem.jitter(moved)
+        sides = _check_other_sides(problem, check, orders) if branches == "all" else ()
+    return moved, sides
+
+
+@contextlib.contextmanager
+def _rngs_kept(generators: Sequence[torch.Generator]) -> Iterator[list[torch.Tensor]]:
+    """The generators' states as they were before the block (yielded): the check resets
+    them to these states before each evaluation, and puts them back afterwards."""
+    states = [generator.get_state() for generator in generators]
     try:
-        problem = _Problem(model_or_function, inputs, kwargs, params)
-        elements = sum(checked.value.numel() for checked in problem.checked)
-        if fast is None:
-            use_fast = elements > FAST_MODE_ABOVE
-            reason = (
-                f"{elements:,} elements > FAST_MODE_ABOVE={FAST_MODE_ABOVE:,}"
-                if use_fast
-                else f"{elements:,} elements <= FAST_MODE_ABOVE={FAST_MODE_ABOVE:,}"
-            )
-        else:
-            use_fast, reason = fast, f"fast={fast}"
-        orders = (1, 2) if gradgrad else (1,)
-        check = _Check(problem, fast=use_fast, reason=reason, eps=eps, atol=atol, rtol=rtol)
-        moved = 0
-        with problem.installed():
-            while True:
-                try:
-                    for order in orders:
-                        check.run(order)
-                    break
-                except (BranchBoundary, NonDifferentiablePoint) as failure:
-                    if not avoid_boundaries:
-                        raise
-                    if moved == JITTER_ATTEMPTS:
-                        note = (
-                            f"(still so after moving the point {moved} times: "
-                            "avoid_boundaries=True)"
-                        )
-                        failure.args = (f"{failure}\n{note}",)
-                        raise
-                    moved += 1
-                    problem.jitter(moved)
-            sides = _check_other_sides(problem, check, orders, eps) if branches == "all" else ()
-        return GradcheckResult(
-            function=problem.description,
-            tensors=tuple((c.name, c.numel) for c in problem.checked),
-            orders=orders,
-            fast=use_fast,
-            mode_reason=reason,
-            moved=moved,
-            seconds=time.perf_counter() - started,
-            widened=tuple(str(w) for w in problem.widened.values()),
-            branches=sides,
-        )
+        yield states
     finally:
-        restore(state)
+        for generator, state in zip(generators, states, strict=True):
+            generator.set_state(state)
 
 
 _OPTIONS = ("params", "gradgrad", "fast", "eps", "atol", "rtol", "avoid_boundaries", "branches")
 BRANCH_CHOICES = ("point", "all")
 
 
+def _localized(
+    problem: _Problem,
+    check: _Check,
+    failure: WrongGradient,
+    point: Sequence[torch.Tensor] | None = None,
+) -> WrongGradient:
+    """``failure`` told from where the error enters to what it reaches.
+
+    Narrowed down within the diagnosis budget, cheapest first: a gradient hook of the
+    wrong parameter (the check without it passes); else each custom autograd Function
+    the forward applied, checked on its own at the inputs it got there; else the
+    submodules, from the outermost down, to the smallest one wrong on its own. Each
+    part is checked in fast mode, then diagnosed like the whole.
+    """
+    started = time.perf_counter()
+    search = _Localization(problem, check)
+    at_point = [checked.value for checked in problem.checked]
+    if point is not None:  # the other side of a branch, where the failure was found
+        for checked, value in zip(problem.checked, point, strict=True):
+            checked.value = value
+    try:
+        source, part = search.run(failure)
+    finally:
+        for checked, value in zip(problem.checked, at_point, strict=True):
+            checked.value = value
+    if search.checked_parts == 0 and source is None:
+        return failure
+    lines = str(failure).splitlines()
+    what = lines[0].split(" with respect to ")[0]
+    diagnosis = round(
+        problem.evaluations + search.part_evaluations - check._run_started - check.spent
+    )
+    narrowed = (
+        f"  narrowed down in {time.perf_counter() - started:.2f} s by checking parts on their "
+        f"own ({search.summary()}); the diagnosis made {diagnosis:,} "
+        f"evaluations, {diagnosis / max(check.spent, 1):.1f}x the {check.spent:,} of the check"
+    )
+    if source is None:
+        body = [lines[0], *lines[1:-1], narrowed + "; no part is wrong on its own", lines[-1]]
+        message = "\n".join(body)
+    else:
+        element = lines[0].split(" with respect to ", 1)[1]
+        head = [f"{what}: the error enters in {source}"]
+        if part is not None:
+            head.append(f"  on its own, at the inputs it got there: {part}")
+        head.append(f"  it reaches {element}:")
+        message = "\n".join([*head, *lines[1:-1], narrowed, lines[-1]])
+    localized = WrongGradient(
+        message,
+        tensor=failure.tensor,
+        index=failure.index,
+        order=failure.order,
+        numerical=failure.numerical,
+        analytical=failure.analytical,
+        source=source,
+    )
+    localized.output = failure.output
+    return localized
+
+
+class _Localization:
+    """Checks the parts of a failing model on their own, within the diagnosis budget."""
+
+    def __init__(self, problem: _Problem, check: _Check) -> None:
+        self.problem, self.check = problem, check
+        remaining = check.diagnosis_budget() - problem.evaluations
+        self.budget = max(remaining, check.spent + DIAGNOSIS_FLOOR)
+        self.started = problem.evaluations
+        # The parts' own evaluations, each counted as the share of a whole evaluation its
+        # checked elements are of the model's (a part's forward is that much smaller).
+        self.part_evaluations = 0.0
+        self.elements = sum(c.numel for c in problem.checked) or 1
+        self.functions = self.modules = self.hooks = 0
+        self.checked_parts = 0
+
+    def summary(self) -> str:
+        """What was checked on its own: ``1 autograd Function call and 3 module calls``."""
+        parts = ["the model without its gradient hooks"] if self.hooks else []
+        for count, what in (
+            (self.functions, "autograd Function call"),
+            (self.modules, "module call"),
+        ):
+            if count:
+                parts.append(f"{count} {what}" + ("s" if count > 1 else ""))
+        return " and ".join(parts) or "no part"
+
+    @property
+    def evaluations(self) -> float:
+        """What the narrowing has cost so far, in evaluations of the whole model."""
+        return self.part_evaluations + self.problem.evaluations - self.started
+
+    @property
+    def exhausted(self) -> bool:
+        return self.checked_parts >= LOCALIZATION_PARTS or self.evaluations >= self.budget
+
+    def run(self, failure: WrongGradient) -> tuple[ErrorSource | None, str | None]:
+        """Where the error enters, and the part's own wrong derivative (as text)."""
+        hook = self._hook(failure)
+        if hook is not None:
+            return hook, None
+        problem = self.problem
+        point = [c.value.detach().requires_grad_() for c in problem.checked]
+        with problem.installed(), record_parts(problem.module_names()) as parts:
+            problem.evaluate(point)
+        found = self._functions(parts) or self._modules(parts)
+        return found or (None, None)
+
+    def _part(self, function, args: tuple, kwargs: dict, params, hooks: bool = True):
+        """The failure of ``function`` checked on its own; ``None`` when it passes or cannot
+        be checked on its own (an exception, a boundary: inconclusive).
+
+        Fast mode first; where it passes, slow mode too if it fits in the budget: one
+        random direction misses an error orthogonal to it (two swapped elements of equal
+        sign in it), every element does not.
+        """
+        self.checked_parts += 1
+        part = None
+        try:
+            part = _Problem(function, args, kwargs, params)
+            part.hooks_enabled = hooks
+            with part.installed():
+                if not part.repeats_itself():
+                    return None  # it keeps state between calls (a cache): no function to check
+                for fast in (True, False):
+                    slow_cost = 2 * sum(c.numel for c in part.checked) + 2
+                    if not fast and slow_cost > self.budget - self.evaluations - part.evaluations:
+                        break
+                    self._check(part, fast=fast, reason="a part checked on its own", part=True)
+        except WrongGradient as failure:
+            return failure
+        except Exception:  # the part cannot be checked on its own: no verdict
+            return None
+        finally:
+            if part is not None:
+                share = sum(c.numel for c in part.checked) / self.elements
+                self.part_evaluations += part.evaluations * min(1.0, max(share, _SMALLEST_SHARE))
+        return None
+
+    def _check(self, problem: _Problem, *, fast: bool, reason: str, part: bool = False) -> None:
+        """First order of ``problem`` with the failing check's step and tolerances."""
+        check = _Check(
+            problem,
+            fast=fast,
+            reason=reason,
+            eps=self.check.eps,
+            atol=self.check.atol,
+            rtol=self.check.rtol,
+        )
+        check.part = part
+        check.run(1)
+
+    def _hook(self, failure: WrongGradient) -> ErrorSource | None:
+        """The wrong parameter's gradient hooks, when the check passes without them."""
+        problem = self.problem
+        checked = next((c for c in problem.checked if c.name == failure.tensor), None)
+        if checked is None or not checked.hooks:
+            return None
+        self.hooks += 1
+        self.checked_parts += 1
+        problem.hooks_enabled = False
+        try:
+            with problem.installed():
+                self._check(problem, fast=True, reason="the model without its gradient hooks")
+        except Exception:  # still wrong without them (or not checkable): not the hooks
+            return None
+        finally:
+            problem.hooks_enabled = True
+        hooks = ", ".join(hook.description for hook in checked.hooks)
+        return ErrorSource(SourceKind.HOOK, hooks, checked.hooks[0].location, tensor=checked.name)
+
+    def _whole_model(self, call: ModuleCall, level: list[ModuleCall]) -> bool:
+        """Whether ``call`` is the model the check ran: the callable itself, or the one
+        module a function called at the top (``lambda x: model(x)``) holding every
+        parameter checked. Checked on its own it would only repeat the check."""
+        if call.module is self.problem.function:
+            return True
+        if call.parent is not None or any(other.module is not call.module for other in level):
+            return False
+        checked = {id(tensor) for tensor in self.problem.user_parameters()}
+        return checked <= _parameter_ids(call.module)
+
+    def _functions(self, parts: Parts) -> tuple[ErrorSource, str] | None:
+        seen: set[tuple] = set()
+        for call in parts.functions:
+            key = (call.function, call.location, call.module.name if call.module else None)
+            if key in seen or not _differentiable(call.args, call.kwargs):
+                continue
+            seen.add(key)
+            if self.exhausted:
+                return None
+            self.functions += 1
+            failure = self._part(_applier(call), call.args, call.kwargs, False)
+            if failure is not None:
+                source = ErrorSource(
+                    SourceKind.FUNCTION,
+                    call.function.__qualname__.replace(".<locals>", ""),
+                    call.backward_location,
+                    applied_at=call.location if call.location.line else None,
+                    module=call.module.describe() if call.module else "",
+                    tensor=failure.tensor,
+                    index=failure.index,
+                    numerical=failure.numerical,
+                    analytical=failure.analytical,
+                )
+                return source, _derivative_text(failure)
+        return None
+
+    def _modules(self, parts: Parts) -> tuple[ErrorSource, str | None] | None:
+        """The smallest module call wrong on its own, descending from the outermost."""
+        checked_names = {c.name.removeprefix("parameter ") for c in self.problem.checked}
+        found: tuple[ModuleCall, WrongGradient | None] | None = None
+        level = parts.modules
+        while level and not self.exhausted:
+            wrong = None
+            seen: set[int] = set()
+            for call in level:
+                if id(call.module) in seen:
+                    continue
+                seen.add(id(call.module))
+                if self._whole_model(call, level):
+                    wrong = (call, None)  # the whole model: known to be wrong
+                    break
+                if self.exhausted:
+                    break
+                prefix = f"{call.name}." if call.name else ""
+                params = [
+                    name.removeprefix(prefix)
+                    for name, _ in call.module.named_parameters(prefix=call.name)
+                    if name in checked_names
+                ]
+                if not params and not _differentiable(call.args, call.kwargs):
+                    continue
+                self.modules += 1
+                failure = self._part(call.module, call.args, call.kwargs, params)
+                if failure is not None:
+                    wrong = (call, failure)
+                    break
+            if wrong is None:
+                break
+            found = wrong
+            level = wrong[0].children
+        if found is None:
+            return None
+        call, failure = found
+        children = ", ".join(sorted({child.name for child in call.children}))
+        if failure is None:  # the model itself
+            if not self.modules:
+                return None  # nothing smaller was checked: nothing to add
+            name = (
+                f"the forward of {call.describe()} itself: none of its submodules ({children}) "
+                f"is wrong on its own, nor any autograd Function"
+            )
+        else:
+            within = f" (none of its submodules {children} is, nor any autograd Function)"
+            name = call.describe() + ": wrong on its own" + (within if children else "")
+            hooks = [
+                _hook_name(hook)
+                for hooks in (call.module._backward_hooks, call.module._backward_pre_hooks)
+                for hook in hooks.values()
+            ]
+            if hooks:
+                name += f", with its backward hook(s) {', '.join(hooks)}"
+        source = ErrorSource(
+            SourceKind.MODULE,
+            name,
+            UNKNOWN_LOCATION,
+            module=call.name,
+            tensor=failure.tensor if failure else "",
+            index=failure.index if failure else (),
+            numerical=failure.numerical if failure else 0.0,
+            analytical=failure.analytical if failure else 0.0,
+        )
+        return source, _derivative_text(failure) if failure else None
+
+
+def _parameter_ids(module: nn.Module) -> set[int]:
+    return {id(parameter) for parameter in module.parameters()}
+
+
+def _differentiable(args: tuple, kwargs: dict) -> bool:
+    """Whether a tensor that requires grad is among the arguments."""
+    return any(
+        isinstance(leaf, torch.Tensor) and leaf.requires_grad
+        for leaf in pytree.tree_leaves((args, kwargs))
+    )
+
+
+def _applier(call: FunctionCall) -> Callable[..., Any]:
+    """``call.function.apply`` as a function named like it, its inputs named like the forward's."""
+    function = call.function
+
+    def apply(*args: Any, **kwargs: Any) -> Any:
+        return function.apply(*args, **kwargs)
+
+    apply.__qualname__ = f"{function.__qualname__}.apply".replace(".<locals>", "")
+    named = [
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        for name in call.input_names()
+    ]
+    rest = [inspect.Parameter("inputs", inspect.Parameter.VAR_POSITIONAL)]
+    apply.__signature__ = inspect.Signature(named + rest)  # type: ignore[attr-defined]
+    return apply
+
+
+def _derivative_text(failure: WrongGradient) -> str:
+    """``d output[0, 1] / d input x[1, 2]: numerical 0.1, analytical 0.2``."""
+    element = element_name(failure.tensor, failure.index)
+    return (
+        f"d {failure.output} / d {element}: numerical {failure.numerical:.6g}, analytical "
+        f"{failure.analytical:.6g}"
+    )
+
+
+class _OnTheOtherSide(Exception):
+    """A failure found on the other side of a branch; ``gradcheck`` narrows it down there."""
+
+    def __init__(self, failure: GradcheckFailure, side: BranchSide) -> None:
+        super().__init__(str(failure))
+        self.failure, self.side = failure, side
+
+    def reported(self, failure: GradcheckFailure) -> GradcheckFailure:
+        side = self.side
+        failure.args = (
+            f"on the other side of the branch at {side.location} ({side.source}): "
+            f"{not side.at_point} there, {side.at_point} at the given point; the inputs "
+            f"moved by {side.moved:.3g} of their norm:\n{failure}",
+        )
+        return failure
+
+
 def _check_other_sides(
-    problem: _Problem, check: _Check, orders: tuple[int, ...], eps: float
+    problem: _Problem, check: _Check, orders: tuple[int, ...]
 ) -> tuple[BranchSide, ...]:
     """Check the gradients on the other side of each branch decision the point reaches."""
     __tracebackhide__ = True
     at_point = [checked.value for checked in problem.checked]
     movable = sorted({slot for _, slot in problem._input_slots})
-    sides = other_sides(problem.evaluate, at_point, movable, eps=eps)
+    sides = other_sides(problem.evaluate, at_point, movable, eps=check.eps)
     for side in sides:
         if not side.found:
             continue
@@ -332,12 +833,7 @@ def _check_other_sides(
             for order in orders:
                 check.run(order)
         except GradcheckFailure as failure:
-            failure.args = (
-                f"on the other side of the branch at {side.location} ({side.source}): "
-                f"{not side.at_point} there, {side.at_point} at the given point; the inputs "
-                f"moved by {side.moved:.3g} of their norm:\n{failure}",
-            )
-            raise
+            raise _OnTheOtherSide(failure, side) from None
         finally:
             for checked, value in zip(problem.checked, at_point, strict=True):
                 checked.value = value
@@ -419,8 +915,9 @@ def _unravel(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _float64_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A float64 (complex128) copy holding the values; a conjugate or negative view resolved."""
     dtype = torch.complex128 if tensor.is_complex() else torch.float64
-    return tensor.detach().to(dtype=dtype, copy=True).contiguous()
+    return tensor.detach().resolve_conj().resolve_neg().to(dtype=dtype, copy=True).contiguous()
 
 
 def _checked_copy(name: str, tensor: torch.Tensor) -> _Checked:
@@ -455,6 +952,7 @@ class _Problem:
     def __init__(self, function, inputs: tuple, kwargs: dict, params) -> None:
         __tracebackhide__ = True
         self.function = function
+        self.inputs, self.kwargs = inputs, kwargs
         self.description = describe_callable(function)
         self.roots = reached_modules(function)
         self.checked: list[_Checked] = []
@@ -463,32 +961,46 @@ class _Problem:
         self.output_dtypes: list[torch.dtype] = []
         self._mode = Float64Mode()
         self.widened: dict[Any, Widening] = self._mode.widened
+        self.narrowed: dict[Any, Narrowing] = self._mode.narrowed
         # Whether evaluations run under Float64Mode: None until the first evaluation (which
         # does) shows whether the forward needs it; True after a check failed without it.
         self.widen: bool | None = None
-        self._evaluated = False
+        self.evaluations = 0
+        self.hooks_enabled = True
+        # By id: the integer and boolean input tensors, passed as they are ("input i").
+        self.integer_inputs: dict[int, str] = {}
         self._at_point = True  # the next evaluation is at the test's own point (see evaluate)
         integer_inputs: list[str] = []
 
-        paths_and_leaves, self._spec = pytree.tree_flatten_with_path((inputs, kwargs))
-        flat = all(len(path) == 2 for path, _ in paths_and_leaves)
-        flat = flat and len(paths_and_leaves) == len(inputs) + len(kwargs)
         self._positional = len(inputs)
-        self._keywords = list(kwargs) if flat else None
         names = input_names(function, len(inputs))
-        named_leaves = [
-            ("input " + _input_name(path, names), leaf) for path, leaf in paths_and_leaves
-        ]
+        if all(type(value) in _LEAVES for value in (*inputs, *kwargs.values())):
+            # Flat arguments (the common case): what pytree would find, without its cost.
+            self._keywords: list[str] | None = list(kwargs)
+            named_leaves = [
+                *((f"input {name}", value) for name, value in zip(names, inputs, strict=True)),
+                *((f"input {key}", value) for key, value in kwargs.items()),
+            ]
+        else:
+            paths_and_leaves, self._spec = pytree.tree_flatten_with_path((inputs, kwargs))
+            flat = all(len(path) == 2 for path, _ in paths_and_leaves)
+            flat = flat and len(paths_and_leaves) == len(inputs) + len(kwargs)
+            self._keywords = list(kwargs) if flat else None
+            named_leaves = [
+                ("input " + _input_name(path, names), leaf) for path, leaf in paths_and_leaves
+            ]
         named_parameters = self._named("_parameters")
+        named_buffers = self._named("_buffers")
         reject_data_less(
             "gradcheck",
             [
                 *((n, t) for n, t in named_leaves if isinstance(t, torch.Tensor)),
                 *((f"parameter {n}", t) for n, t in named_parameters),
-                *((f"buffer {n}", t) for n, t in self._named("_buffers")),
+                *((f"buffer {n}", t) for n, t in named_buffers),
             ],
         )
         self._leaves: list[Any] = []
+        self._states: list[int] = []  # positions of the parts' state objects (parts.State)
         for position, (name, leaf) in enumerate(named_leaves):
             if isinstance(leaf, torch.Tensor):
                 if leaf.layout != torch.strided:
@@ -504,6 +1016,9 @@ class _Problem:
                     leaf = _float64_copy(leaf)
                 else:
                     integer_inputs.append(f"{name} ({leaf.dtype})")
+                    self.integer_inputs[id(leaf)] = name
+            elif isinstance(leaf, State):
+                self._states.append(position)
             self._leaves.append(leaf)
 
         # By id of the user's tensor: the checked slot, or the float64 constant.
@@ -521,21 +1036,45 @@ class _Problem:
             id(buffer): _float64_copy(buffer)
             if buffer.is_floating_point() or buffer.is_complex()
             else buffer.detach().clone()
-            for _, buffer in self._named("_buffers")
+            for _, buffer in named_buffers
         }
+        self._buffer_names = {id(buffer): name for name, buffer in named_buffers}
         self._parameter_places, self._buffer_places = self._places()
         if not self.checked:
             raise ValueError(self._nothing_to_check(params, integer_inputs))
-        self._generators = _generators(
+        self.generators = _generators(
             [c.value for c in self.checked]
             + [t for t in self._leaves if isinstance(t, torch.Tensor)]
         )
+        # (generator, state) to start each evaluation from: empty when the forward draws no
+        # random numbers (seen in the first evaluation), so nothing is reseeded.
+        self._seeds: list[tuple[torch.Generator, torch.Tensor]] | None = None
+        self._evaluated = False
+        # Buffers the forward changes (seen in the first evaluation), and the values it
+        # wrote into them outside autograd at the point (see _BufferWrites).
+        self.held_buffers: tuple[str, ...] = ()
+        self._held: list[torch.Tensor | None] | None = None
 
     def _modules(self) -> Iterator[tuple[str, nn.Module]]:
         """Every module reached, by its full name, shared ones under each of their names."""
         for prefix, root in self.roots:
             for name, module in root.named_modules(remove_duplicate=False):
                 yield _joined(prefix, name), module
+
+    def user_parameters(self) -> list[torch.Tensor]:
+        """The user's parameter tensors whose gradients are checked."""
+        return [
+            place.tensor
+            for place in self._parameter_places
+            if id(place.tensor) in self._param_slots
+        ]
+
+    def module_names(self) -> dict[int, str]:
+        """The name of each module reached (its first name), by id."""
+        names: dict[int, str] = {}
+        for name, module in self._modules():
+            names.setdefault(id(module), name)
+        return names
 
     def _named(self, kind: str) -> list[tuple[str, torch.Tensor]]:
         """Each tensor in the ``kind`` dict (``_parameters``, ``_buffers``) of the modules, once."""
@@ -565,10 +1104,12 @@ class _Problem:
             (module, {k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)})
             for module in {id(m): m for _, m in self._modules()}.values()
         ]
+        default_dtype = torch.get_default_dtype()
         try:
             torch.set_default_dtype(torch.float64)
             yield
         finally:
+            torch.set_default_dtype(default_dtype)
             for place in (*self._parameter_places, *self._buffer_places):
                 place.owner[place.key] = place.tensor
             for module, saved in attributes:
@@ -618,21 +1159,61 @@ class _Problem:
         """:meth:`_evaluate`; each evaluation after the first (at the test's point) is one of
         gradcheck's own probes, which ``pytest --decisions`` counts apart."""
         at_point, self._at_point = self._at_point, False
-        with contextlib.nullcontext() if at_point else probing():
+        if at_point or not torch._C._len_torch_function_stack():
+            # No torch function mode is active, so nothing records decisions to count
+            # apart: the probe's marker would cost an evaluation more than the check does.
+            return self._evaluate(values)
+        with probing():
             return self._evaluate(values)
 
     def _evaluate(self, values: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """The floating-point outputs for these checked values; same RNG state every time."""
+        self.evaluations += 1
         leaves = self._leaves.copy()
         for position, slot in self._input_slots:
             leaves[position] = self.checked[slot].as_user(values[slot])
+        for position in self._states:
+            leaves[position] = leaves[position].fresh()
         if self._keywords is None:
             args, kwargs = pytree.tree_unflatten(leaves, self._spec)
         else:  # flat arguments: what tree_unflatten would build, without its cost
             args = tuple(leaves[: self._positional])
             kwargs = dict(zip(self._keywords, leaves[self._positional :], strict=True))
-        for generator in self._generators:
-            generator.manual_seed(EVALUATION_SEED)
+        if self._seeds is None:  # the first evaluation starts where the generators are
+            self.start_from([generator.get_state() for generator in self.generators])
+        else:
+            for generator, state in self._seeds:
+                generator.set_state(state)
+        buffers = self._install(values) if self._parameter_places or self._buffer_places else ()
+        if self.widen is False and self._held is None:  # the common case, in fewest calls
+            output = self.function(*args, **kwargs)
+            if type(output) is torch.Tensor and output.is_floating_point():
+                return (output,)
+            outputs = self._floating_outputs(output)
+        elif self._held is not None:
+            at_point = self._holds_point(values)
+            writes = _BufferWrites(buffers, None if at_point else self._held)
+            with writes:
+                outputs = self._call(args, kwargs)
+            if at_point:
+                self._held = writes.written
+        else:
+            outputs = self._call(args, kwargs)
+        if not self._evaluated:
+            return self._first_evaluation(values, outputs, buffers)
+        return outputs
+
+    def _call(self, args: tuple, kwargs: dict) -> tuple[torch.Tensor, ...]:
+        if self.widen is False:
+            return self._floating_outputs(self.function(*args, **kwargs))
+        with self._mode:
+            output = self.function(*args, **kwargs)
+        if self.widen is None:
+            self.widen = bool(self.widened or self.narrowed)
+        return self._floating_outputs(output)
+
+    def _install(self, values: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """This evaluation's parameters and fresh buffer copies in the modules; the buffers."""
         current: dict[int, torch.Tensor] = {}
         for place in self._parameter_places:
             key = id(place.tensor)
@@ -642,29 +1223,126 @@ class _Problem:
                     self._constants[key] if slot is None else self._with_hooks(slot, values[slot])
                 )
             place.owner[place.key] = current[key]
+        buffers = []
         for place in self._buffer_places:
             key = id(place.tensor)
             if key not in current:
                 current[key] = self._buffers[key].clone()  # forwards update buffers in place
+                buffers.append(current[key])
             place.owner[place.key] = current[key]
-        if self.widen is False:
-            outputs = self._floating_outputs(self.function(*args, **kwargs))
-        else:
-            with self._mode:
-                outputs = self._floating_outputs(self.function(*args, **kwargs))
-            if self.widen is None:
-                self.widen = bool(self.widened)
-        if not self._evaluated and any(o.requires_grad for o in outputs):
-            self._evaluated = True
-            if reentrant_checkpoint(outputs):
-                raise _ReentrantCheckpoint(REENTRANT_CHECKPOINT.format(check="gradcheck"))
+        return buffers
+
+    def _first_evaluation(
+        self, values: Sequence[torch.Tensor], outputs: tuple[torch.Tensor, ...], buffers: list
+    ) -> tuple[torch.Tensor, ...]:
+        """What only the first evaluation shows: random numbers drawn, a reentrant
+        checkpoint, buffers the forward changes."""
+        self._evaluated = True
+        self._seeds = [
+            (generator, state)
+            for generator, state in self._seeds or ()
+            if not torch.equal(generator.get_state(), state)
+        ]
+        originals = [
+            (key, self._buffers[key])
+            for key in dict.fromkeys(id(p.tensor) for p in self._buffer_places)
+        ]
+        changed = [
+            self._buffer_names[key]
+            for (key, original), now in zip(originals, buffers, strict=True)
+            if not bitwise_equal(original, now)
+        ]
+        if changed:
+            # Evaluated again at the point, to record what the forward writes there.
+            self.held_buffers = tuple(changed)
+            self._held = []
+            return self.evaluate(values)
         return outputs
+
+    def repeats_itself(self) -> bool:
+        """Whether two evaluations at the point give the same outputs, bit for bit.
+
+        A part of a model called on its own may keep state between calls (a key-value
+        cache it appends to): it is then no function of its inputs to check."""
+        point = [c.value.detach() for c in self.checked]
+        first, second = self.evaluate(point), self.evaluate(point)
+        return all(bitwise_equal(a, b) for a, b in zip(first, second, strict=True))
+
+    def start_from(self, states: list[torch.Tensor]) -> None:
+        """Each evaluation starts from these generator states, if the forward draws from
+        them (the first evaluation shows whether it does)."""
+        self._seeds = list(zip(self.generators, states, strict=True))
+
+    def reentrant_checkpoint(self) -> bool:
+        """Whether the forward at the point differentiates through a reentrant checkpoint.
+
+        Asked only after torch raised: a graph walk per check would cost every check."""
+        point = [c.value.detach().requires_grad_() for c in self.checked]
+        try:
+            outputs = self.evaluate(point)
+        except Exception:
+            return False
+        return reentrant_checkpoint(outputs)
+
+    def _holds_point(self, values: Sequence[torch.Tensor]) -> bool:
+        return all(
+            value is checked.value or torch.equal(value.detach(), checked.value)
+            for value, checked in zip(values, self.checked, strict=True)
+        )
+
+    def probe(self, values: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """:meth:`evaluate` at a finite-difference input: an exception the model raises
+        there becomes :class:`_ProbeRefused`, which says which input it refused."""
+        try:
+            return self.evaluate(values)
+        except _CHECK_ERRORS:
+            raise
+        except Exception as error:
+            raise self._refused(values, error) from error
+
+    def _refused(self, values: Sequence[torch.Tensor], error: Exception) -> _ProbeRefused:
+        for checked, value in zip(self.checked, values, strict=True):
+            moved = (value.detach() - checked.value).reshape(-1)
+            nonzero = moved.nonzero()
+            if not len(nonzero):
+                continue
+            if len(nonzero) == 1:
+                element = int(nonzero[0, 0])
+                step = float(moved[element])
+                sign = "+" if step > 0 else "-"
+                probe = f"{checked.element(element)} {sign} {abs(step):g}"
+            else:
+                step = float(moved.norm())
+                probe = f"{checked.name} moved by {step:g} along a random direction"
+            return _ProbeRefused(error, probe=probe, tensor=checked.name, step=abs(step))
+        return _ProbeRefused(error, probe="the point", tensor=self.checked[0].name, step=0.0)
+
+    def explain(self, error: Exception) -> TypeError | None:
+        """For an exception of the forward at the point: a ``TypeError`` naming the integer
+        or boolean input the failing op got (or a tensor made from it), else ``None``."""
+        if not self.integer_inputs:
+            return None
+        finder = _FailingOp(self.integer_inputs)
+        point = [c.value.detach().requires_grad_() for c in self.checked]
+        with self.installed(), finder, contextlib.suppress(Exception):
+            self.evaluate(point)
+        if finder.found is None:
+            return None
+        op, name, dtype, location = finder.found
+        return TypeError(
+            f"gradcheck: {name} is a {dtype} tensor, and {op} at {location} fails on it "
+            f"({quoted(error)}): integer and boolean inputs are passed to "
+            f"the forward as they are, neither differentiated nor converted, and the check "
+            f"computes in float64. Convert it where the forward needs floating point "
+            f"(.to(x.dtype)), or pass a floating-point tensor (to check its gradient: "
+            f"x.double().requires_grad_())"
+        )
 
     def _with_hooks(self, slot: int, value: torch.Tensor) -> torch.Tensor:
         """The value a parameter takes in the forward; its gradient runs the user's hooks."""
         checked = self.checked[slot]
         value = checked.as_user(value)
-        if not checked.hooks or not value.requires_grad:
+        if not checked.hooks or not value.requires_grad or not self.hooks_enabled:
             return value
         hooked = value.view_as(value)
         for hook in checked.hooks:
@@ -672,14 +1350,19 @@ class _Problem:
         return hooked
 
     def _floating_outputs(self, output: Any) -> tuple[torch.Tensor, ...]:
-        single = type(output) is torch.Tensor and output.is_floating_point()
-        if single and self.output_names is not None:
-            return (output,)
+        if type(output) is torch.Tensor and self.output_names is not None:
+            if output.is_floating_point():
+                return (output,)
+            if output.is_complex():
+                return (torch.view_as_real(output.resolve_conj()),)
         names, tensors = [], []
         for name, leaf in named_leaves(output, "output"):
             if isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex()):
                 names.append(name)
-                tensors.append(torch.view_as_real(leaf) if leaf.is_complex() else leaf)
+                # A conjugate view (x.conj(), fft.ifft's output) has no real view of its own.
+                tensors.append(
+                    torch.view_as_real(leaf.resolve_conj()) if leaf.is_complex() else leaf
+                )
         if not tensors:
             raise _NoFloatingOutput(
                 f"gradcheck: {self.description} returned {_describe_output(output)}, which holds "
@@ -696,9 +1379,9 @@ class _Problem:
         generator = torch.Generator().manual_seed(EVALUATION_SEED + attempt)
         for checked in self.checked:
             value = checked.value
-            scale = float(value.abs().mean()) or 1.0
+            scale = float(value.abs().mean()) if value.numel() else 1.0
             noise = torch.randn(value.shape, generator=generator, dtype=value.dtype)
-            checked.value = value + JITTER_SCALE * scale * noise.to(value.device)
+            checked.value = value + JITTER_SCALE * (scale or 1.0) * noise.to(value.device)
 
     def module_hooks(self) -> list[str]:
         """``name: hook (file:line)`` for each backward hook on a module reached."""
@@ -709,8 +1392,136 @@ class _Problem:
         return found
 
 
-class _ReentrantCheckpoint(ValueError):
-    """Raised inside torch's check; re-raised as a plain ValueError without torch's frames."""
+class _ProbeRefused(Exception):
+    """The model raised at a finite-difference input (``probe``), not at the point."""
+
+    def __init__(self, error: Exception, *, probe: str, tensor: str, step: float) -> None:
+        super().__init__(probe)
+        self.error, self.probe, self.tensor, self.step = error, probe, tensor, step
+
+    @property
+    def what(self) -> str:
+        return raised(self.error)
+
+
+class _Probes:
+    """The function torch's check calls: the first call is at the point, the model's
+    exceptions at the later ones (finite-difference inputs) are refusals."""
+
+    def __init__(self, problem: _Problem) -> None:
+        self.problem, self.first = problem, True
+
+    def __call__(self, *values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.first:
+            self.first = False
+            return self.problem.evaluate(values)
+        try:
+            return self.problem.evaluate(values)
+        except _CHECK_ERRORS:
+            raise
+        except Exception as error:  # as _Problem.probe, one call less per evaluation
+            raise self.problem._refused(values, error) from error
+
+
+class _FailingOp(TorchFunctionMode):
+    """Finds the first torch call that raises with an integer input (or a tensor made
+    from one) among its arguments: ``(op, input name, dtype, user's line)``."""
+
+    def __init__(self, integer_inputs: dict[int, str]) -> None:
+        super().__init__()
+        self.sources = dict(integer_inputs)  # by id: the input a tensor comes from
+        self.keep: list[torch.Tensor] = []  # keeps the ids of tensors made from one unique
+        self.found: tuple[str, str, torch.dtype, Location] | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        leaves = [
+            leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)
+        ]
+        sources = [self.sources[id(leaf)] for leaf in leaves if id(leaf) in self.sources]
+        try:
+            result = func(*args, **kwargs)
+        except Exception:
+            if sources and self.found is None:
+                dtype = next(leaf.dtype for leaf in leaves if id(leaf) in self.sources)
+                location = user_location(sys._getframe(1)) or UNKNOWN_LOCATION
+                self.found = (_op_name(func), sources[0], dtype, location)
+            raise
+        if sources:
+            for leaf in pytree.tree_leaves(result):
+                if isinstance(leaf, torch.Tensor) and not (
+                    leaf.is_floating_point() or leaf.is_complex()
+                ):
+                    self.sources[id(leaf)] = sources[0]
+                    self.keep.append(leaf)
+        return result
+
+
+def _op_name(func: Any) -> str:
+    owner = getattr(func, "__objclass__", None)
+    name = getattr(func, "__name__", repr(func))
+    if owner is not None and issubclass(torch.Tensor, owner):
+        return f"Tensor.{name}"
+    module = getattr(func, "__module__", "") or ""
+    return f"{module.replace('torch._C._nn', 'torch.nn.functional')}.{name}" if module else name
+
+
+class _BufferWrites(TorchFunctionMode):
+    """Records at the point, and holds everywhere else, what the forward writes into its
+    buffers outside autograd.
+
+    Autograd takes a value the forward writes into a buffer under ``torch.no_grad()``
+    (spectral norm's power iteration, running statistics used in the output) as a
+    constant; finite differences would see it move with the input. At the point each
+    such write (in place, or through ``out=``) is recorded; at every other input the
+    same write is overwritten with the value recorded, so both see one function.
+    """
+
+    def __init__(self, buffers: Sequence[torch.Tensor], held: list | None) -> None:
+        super().__init__()
+        self.storages = {b.untyped_storage().data_ptr() for b in buffers if b.numel()}
+        self.held = held
+        self.written: list[torch.Tensor | None] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        result = func(*args, **kwargs)
+        if writes(func, kwargs):
+            target = kwargs.get("out", args[0] if args else None)
+            if (
+                isinstance(target, torch.Tensor)
+                and target.numel()
+                and target.untyped_storage().data_ptr() in self.storages
+            ):
+                self._write(target)
+        return result
+
+    def _write(self, target: torch.Tensor) -> None:
+        index = len(self.written)
+        if self.held is None:  # at the point: record, unless autograd sees the write
+            self.written.append(None if target.requires_grad else target.detach().clone())
+            return
+        self.written.append(None)
+        held = self.held[index] if index < len(self.held) else None
+        if held is not None and held.shape == target.shape:
+            with torch.no_grad():
+                target.copy_(held)
+
+
+# Types pytree treats as leaves that inputs often are: arguments of only these types are
+# flat, and need no pytree to flatten or rebuild.
+_LEAVES = frozenset(
+    {torch.Tensor, nn.Parameter, int, float, bool, complex, str, type(None), torch.dtype}
+)
+
+
+# What the check itself raises from inside an evaluation: never a refusal of the model.
+_CHECK_ERRORS = (
+    _NoFloatingOutput,
+    CannotStayFloat64,
+    GradcheckFailure,
+    _ProbeRefused,
+)
 
 
 @dataclass(frozen=True)
@@ -719,16 +1530,22 @@ class _Hook:
 
     function: Callable[[torch.Tensor], Any]
     description: str
+    location: Location
 
 
 def _gradient_hooks(parameter: torch.Tensor) -> tuple[_Hook, ...]:
     """The parameter's ``register_hook`` and ``register_post_accumulate_grad_hook`` hooks."""
     hooks = [
-        _Hook(_defined_only(h), _hook_name(h)) for h in (parameter._backward_hooks or {}).values()
+        _Hook(_defined_only(h), _hook_name(h), definition(h))
+        for h in (parameter._backward_hooks or {}).values()
     ]
     for hook in (getattr(parameter, "_post_accumulate_grad_hooks", None) or {}).values():
         hooks.append(
-            _Hook(_defined_only(_after_accumulation(hook)), _hook_name(hook) + " (post-accumulate)")
+            _Hook(
+                _defined_only(_after_accumulation(hook)),
+                _hook_name(hook) + " (post-accumulate)",
+                definition(hook),
+            )
         )
     return tuple(hooks)
 
@@ -816,60 +1633,161 @@ def _random_weights(like: torch.Tensor, generator: torch.Generator, *, normalize
     return (weights / weights.sum() if normalized else weights).to(like.device)
 
 
-def _random_signs(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    """A unit vector of random signs ``±1/√n`` shaped like ``like``."""
+def _weighted_sum(weights: Sequence[torch.Tensor | None], outputs: Sequence[torch.Tensor]):
+    """``Σ (w · output).sum()`` over the outputs that have weights (0 when none has)."""
+    return sum((w * o).sum() for w, o in zip(weights, outputs, strict=True) if w is not None)
+
+
+def _random_direction(like: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """A unit vector shaped like ``like``: random signs, random magnitudes in [1, 2).
+
+    No element is much smaller than another (a wrong element shows undiluted by the
+    others), and no two are equal (two swapped elements of the gradient do not cancel).
+    """
     signs = torch.randint(0, 2, like.shape, generator=generator, dtype=torch.float64) * 2 - 1
-    return (signs / math.sqrt(max(like.numel(), 1))).to(like.device)
+    weights = signs * (1 + torch.rand(like.shape, generator=generator, dtype=torch.float64))
+    return (weights / weights.norm().clamp_min(1e-300)).to(like.device)
 
 
 class _Check:
+    """One check of a problem's gradients at its point, in fast or slow mode.
+
+    ``eps``, ``atol`` and ``rtol`` start as given and change only as the result says:
+    a smaller step where the model refused a finite-difference input, float32's
+    tolerances where an op ran in float32.
+    """
+
     def __init__(
         self, problem: _Problem, *, fast: bool, reason: str, eps: float, atol: float, rtol: float
     ) -> None:
         self.problem, self.fast, self.reason = problem, fast, reason
         self.eps, self.atol, self.rtol = eps, atol, rtol
+        self.refused: list[str] = []
+        self.part = False  # a part of a model checked on its own, while narrowing down
+        self._loosened = False
+        self._refusals: list[_ProbeRefused] = []
+        # The evaluations the check itself made: the diagnosis is bounded by a multiple.
+        self.spent = 0
+        self.budget_end = 0
 
     def run(self, order: int) -> None:
         __tracebackhide__ = True
+        while True:
+            try:
+                return self._run(order)
+            except _ProbeRefused as refused:
+                self._shrink_step(refused)
+            except GradcheckFailure:
+                if not self._loosen():
+                    raise
+
+    def diagnosis_budget(self) -> int:
+        """The evaluation count (``problem.evaluations``) at which a diagnosis stops."""
+        if not self.budget_end:
+            self.spent = self.problem.evaluations - self._run_started
+            self.budget_end = (
+                self.problem.evaluations + DIAGNOSIS_MULTIPLE * self.spent + DIAGNOSIS_FLOOR
+            )
+        return self.budget_end
+
+    def _loosen(self) -> bool:
+        """After a failure: whether an op ran in float32, so float32's tolerances apply."""
+        if self._loosened or not self.problem.narrowed:
+            return False
+        self._loosened = True
+        eps, atol, rtol = FLOAT32_TOLERANCES
+        self.eps, self.atol, self.rtol = (
+            max(self.eps, eps),
+            max(self.atol, atol),
+            max(self.rtol, rtol),
+        )
+        self.budget_end = 0
+        return True
+
+    def _shrink_step(self, refused: _ProbeRefused) -> None:
+        """The model raised at a finite-difference input: retry with a smaller step."""
+        __tracebackhide__ = True
+        self._refusals.append(refused)
+        if len(self._refusals) > STEP_RETRIES:
+            raise RefusedProbe(
+                self._refused_message(), tensor=refused.tensor, error=refused.error
+            ) from None
+        self.eps /= STEP_SHRINK
+        self.budget_end = 0
+        self.refused.append(
+            f"the model raised at {refused.probe} ({refused.what}): checked with "
+            f"eps={self.eps:g} instead"
+        )
+
+    def _refused_message(self) -> str:
+        first, last = self._refusals[0], self._refusals[-1]
+        steps = ", ".join(f"{r.step:g}" for r in self._refusals[:-1])
+        return "\n".join(
+            [
+                f"cannot check the gradient of {self.problem.description} here: the model "
+                f"raises at the finite-difference inputs near the point, down to eps={self.eps:g}",
+                f"  with {last.probe}: {last.what}",
+                f"  it raised with eps={steps} too (first with {first.probe}); at the point itself "
+                "it runs: this is not a wrong gradient",
+                "  the point is within eps of inputs the model refuses (an assertion, a solver "
+                "that gives up): check at inputs farther from them",
+                self._footer(),
+            ]
+        )
+
+    def _footer(self) -> str:
+        return (
+            f"checked {self.problem.description} in float64 (eps={self.eps:g}, "
+            f"atol={self.atol:g}, rtol={self.rtol:g}), {_mode_text(self.fast, self.reason)}"
+        )
+
+    def _run(self, order: int) -> None:
+        __tracebackhide__ = True
         problem = self.problem
-        generator = torch.Generator().manual_seed(EVALUATION_SEED)
+        self._run_started = problem.evaluations
+        self.budget_end = 0
+        generator = torch.Generator().manual_seed(EVALUATION_SEED) if self.fast else None
         if self.fast and order == 1:
             try:
                 self._screen(generator)
             except RuntimeError:
+                self._reject_reentrant_checkpoint()
                 if not self._widen_from_now_on():
                     raise
-                self.run(order)
+                self._run(order)
             except _NoFloatingOutput as error:
                 raise TypeError(str(error)) from None
-            except _ReentrantCheckpoint as error:
-                raise ValueError(str(error)) from None
             return
         if self.fast:
             function, inputs = self._directional(order, generator)
         else:
-            function = problem.evaluate if order == 1 else None
+            function = _Probes(problem)
             inputs = [c.value.clone().requires_grad_() for c in problem.checked]
         options = {"eps": self.eps, "atol": self.atol, "rtol": self.rtol}
         try:
             if self.fast or order == 1:
-                torch.autograd.gradcheck(lambda *values: function(values), inputs, **options)
+                torch.autograd.gradcheck(function, inputs, **options)
             else:
-                torch.autograd.gradgradcheck(
-                    lambda *values: problem.evaluate(values), inputs, **options
-                )
+                torch.autograd.gradgradcheck(_Probes(problem), inputs, **options)
         except (GradcheckError, RuntimeError) as error:
+            if not isinstance(error, GradcheckError):
+                self._reject_reentrant_checkpoint()
             if self._widen_from_now_on():
-                return self.run(order)
+                return self._run(order)
             if not isinstance(error, GradcheckError):
                 raise
             raise _Diagnosis(self, order, str(error)).failure() from None
         except _NoFloatingOutput as error:
             raise TypeError(str(error)) from None
-        except _ReentrantCheckpoint as error:
-            raise ValueError(str(error)) from None
         except CannotStayFloat64 as error:
             raise CannotStayFloat64(str(error)) from None
+
+    def _reject_reentrant_checkpoint(self) -> None:
+        """After torch raised: a ``ValueError`` saying why, if the forward holds a reentrant
+        checkpoint (torch's own message names no way out)."""
+        __tracebackhide__ = True
+        if self.problem.reentrant_checkpoint():
+            raise ValueError(REENTRANT_CHECKPOINT.format(check="gradcheck")) from None
 
     def _widen_from_now_on(self) -> bool:
         """After a failure without Float64Mode: whether to check again with it.
@@ -884,39 +1802,47 @@ class _Check:
         return True
 
     def _screen(self, generator: torch.Generator) -> None:
-        """Fast mode, first order: one random sign direction per checked tensor.
+        """Fast mode, first order: one random direction per checked tensor.
 
         For ``s = w · outputs`` (random output weights ``w``) one backward pass gives
         ``∇s`` for every tensor; two forward passes per tensor give the derivative of
-        ``s`` along ``u``, a direction of random signs ``±1/√n``. Along such a direction a
-        single wrong element of error ``δ`` shifts the derivative by ``δ/√n``, whatever
-        the other elements, so besides torch's tolerance (``atol + rtol·|numerical|``)
-        a tensor is flagged when the two differ by more than ``SCREENING_FRACTION`` of
-        its largest gradient element, over ``√n``, plus the rounding error of the
-        differences. A flagged tensor is searched by bisection and its suspects
-        rechecked element by element with ``atol``/``rtol``: only an element that fails
-        there fails the check.
+        ``s`` along ``u``, a direction of random signs and magnitudes between 1 and 2
+        (normalized). Along such a direction a single wrong element of error ``δ`` shifts
+        the derivative by at least ``δ·min|u|``, whatever the other elements, so besides
+        torch's tolerance (``atol + rtol·|numerical|``) a tensor is flagged when the two
+        differ by more than ``SCREENING_FRACTION`` of its largest gradient element times
+        ``min|u|``, plus the rounding error of the differences. A flagged tensor is
+        searched by bisection and its suspects rechecked element by element with
+        ``atol``/``rtol``: only an element that fails there fails the check.
         """
         __tracebackhide__ = True
         problem = self.problem
         point = [c.value.detach().requires_grad_() for c in problem.checked]
         outputs = problem.evaluate(point)
-        weights = [_random_weights(o, generator) for o in outputs]
-        total = sum((w * o).sum() for w, o in zip(weights, outputs, strict=True))
+        # Like torch's check: outputs autograd does not connect to the checked tensors (a
+        # saved mean, a detached statistic) are left out; all of them when none is connected,
+        # so that a detached forward still shows.
+        kept = [o.requires_grad for o in outputs]
+        if not any(kept):
+            kept = [True] * len(outputs)
+        weights = [
+            _random_weights(o, generator) if keep else None
+            for o, keep in zip(outputs, kept, strict=True)
+        ]
+        total = _weighted_sum(weights, outputs)
         analytical: Sequence[torch.Tensor | None] = [None] * len(point)
         if isinstance(total, torch.Tensor) and total.requires_grad:
             analytical = torch.autograd.grad(total, point, allow_unused=True)
         failed, flagged = [], []
         for index, (checked, gradient) in enumerate(zip(problem.checked, analytical, strict=True)):
-            direction = _random_signs(checked.value, generator)
+            if not checked.numel:
+                continue  # an empty tensor has no derivative to check
+            direction = _random_direction(checked.value, generator)
             sides = []
             for sign in (1, -1):
                 values = [v.detach() for v in point]
                 values[index] = torch.add(values[index], direction, alpha=sign * self.eps)
-                outputs = problem.evaluate(values)
-                sides.append(
-                    sum((w * o.detach()).sum() for w, o in zip(weights, outputs, strict=True))
-                )
+                sides.append(_weighted_sum(weights, problem.probe(values)))
             plus, minus = (float(side) for side in sides)
             numerical = (plus - minus) / (2 * self.eps)
             along = 0.0 if gradient is None else float((gradient * direction).sum())
@@ -927,15 +1853,16 @@ class _Check:
                 # The rounding error of the central difference, a few units in the last place.
                 rounding = 2 * torch.finfo(torch.float64).eps * (abs(plus) + abs(minus)) / self.eps
                 largest = float(gradient.abs().max()) if gradient.numel() else 0.0
-                if difference > SCREENING_FRACTION * largest / math.sqrt(checked.numel) + rounding:
+                smallest = float(direction.abs().min())
+                if difference > SCREENING_FRACTION * largest * smallest + rounding:
                     flagged.append(index)
         if (failed or flagged) and self._widen_from_now_on():
             return self._screen(torch.Generator().manual_seed(EVALUATION_SEED))
         if failed:
             message = f"Jacobian mismatch for output 0 with respect to input {failed[0]}"
-            raise _Diagnosis(self, 1, message).failure()
+            raise _Diagnosis(self, 1, message, suspects=failed + flagged).failure()
         if flagged:
-            wrong = _Diagnosis(self, 1, "").wrong_in(flagged)
+            wrong = _Diagnosis(self, 1, "", suspects=flagged).wrong_in(flagged)
             if wrong is not None:
                 raise wrong
 
@@ -964,7 +1891,8 @@ class _Check:
                 ]
                 if order == 2:
                     values = [v.detach().requires_grad_() for v in values]
-            outputs = self.problem.evaluate(values)
+            evaluate = self.problem.evaluate if at_point else self.problem.probe
+            outputs = evaluate(values)
             if not weights:
                 weights.extend(
                     _random_weights(o, generator, normalized=order == 1) for o in outputs
@@ -972,10 +1900,10 @@ class _Check:
             sums = [(w * o).sum() for w, o in zip(weights, outputs, strict=True)]
             return values, sums, at_point
 
-        def first(steps):
+        def first(*steps):
             return tuple(evaluate(steps)[1])
 
-        def second(steps):
+        def second(*steps):
             values, sums, at_point = evaluate(steps)
             differentiable = [s for s in sums if s.requires_grad]
             if not differentiable:
@@ -1030,6 +1958,10 @@ def _branch_divergence(a: DecisionLog, b: DecisionLog):
     return (a[k - 1] if k <= len(a) else None, b[k - 1] if k <= len(b) else None, k)
 
 
+def _short_value(decision: Decision | None) -> str:
+    return "no decision" if decision is None else repr(decision.value)[:40]
+
+
 def _moved_numbers(a: DecisionLog, b: DecisionLog) -> list[tuple[Decision, Decision]]:
     return [
         (x, y)
@@ -1059,6 +1991,7 @@ class _Finding:
     severity: float
     divergence: tuple | None = None
     side: str = ""
+    moved_log: DecisionLog | Sequence[Decision] = ()
     one_sided: tuple[float, float] = (0.0, 0.0)
     moved: list = field(default_factory=list)
     jump: float = 0.0  # for a jump: how much the output changed over one step
@@ -1067,12 +2000,18 @@ class _Finding:
 class _Diagnosis:
     """Finds, element by element, where and why a failed check's Jacobians disagree."""
 
-    def __init__(self, check: _Check, order: int, torch_message: str) -> None:
+    def __init__(
+        self, check: _Check, order: int, torch_message: str, suspects: Sequence[int] = ()
+    ) -> None:
         self.check, self.problem, self.order = check, check.problem, order
         self.torch_message = torch_message
+        # Fast mode's screen names the tensors whose directional derivatives disagree:
+        # only those are searched (each by bisection), and only those can be "also wrong".
+        self.suspects = list(suspects)
         self.eps, self.atol, self.rtol = check.eps, check.atol, check.rtol
         self.generator = torch.Generator().manual_seed(EVALUATION_SEED + 1)
-        self.evaluations = 0
+        self.budget = check.diagnosis_budget()
+        self.searched: set[int] = set()  # tensors whose every element was examined
         self.point = [c.value for c in self.problem.checked]
         self.weights: list[torch.Tensor] = []
         values = [v.detach().requires_grad_() for v in self.point]
@@ -1088,7 +2027,8 @@ class _Diagnosis:
 
     # the function whose Jacobian is diagnosed: the outputs, or (second order) the gradients
     def _target(self, values: list[torch.Tensor], graph: bool) -> tuple[torch.Tensor, ...]:
-        outputs = self.problem.evaluate(values)
+        # graph=True at the point; a finite-difference input otherwise.
+        outputs = (self.problem.evaluate if graph else self.problem.probe)(values)
         if self.order == 1:
             return outputs
         if not self.weights:
@@ -1147,7 +2087,6 @@ class _Diagnosis:
         return flat if self.rows is None else self.rows @ flat
 
     def _evaluate(self, index: int, step: torch.Tensor) -> tuple[torch.Tensor, DecisionLog]:
-        self.evaluations += 1
         values = [v.detach().requires_grad_(self.order == 2) for v in self.point]
         values[index] = (self.point[index] + step).requires_grad_(self.order == 2)
         with record_decisions() as log:
@@ -1161,9 +2100,11 @@ class _Diagnosis:
         first = int(hint.group(2)) if hint else 0
         count = len(self.problem.checked)
         order = [first] + [i for i in range(count) if i != first] if first < count else range(count)
+        if self.suspects:
+            order = self.suspects
         explained: list[_Finding] = []
         for index in order:
-            if explained and self.evaluations > _DIAGNOSIS_EVALUATIONS:
+            if explained and self.over_budget:
                 break  # the point is on a boundary or kink: enough to say so
             findings = self._examine(index)
             wrong = [f for f in findings if f.kind is _FindingKind.WRONG]
@@ -1182,37 +2123,51 @@ class _Diagnosis:
         """``name (k of n elements)`` of the other tensors with wrong elements, within budget.
 
         In a mixture of experts a bug in one expert shows in the input's gradient first;
-        the expert's own parameters are what the message must name.
+        the expert's own parameters are what the message must name. A part checked on
+        its own needs one wrong element only.
         """
+        if self.check.part:
+            return []
         found = []
         for index in indices:
-            if self.evaluations > _DIAGNOSIS_EVALUATIONS:
+            if self.over_budget:
                 break
             wrong = [f for f in self._examine(index) if f.kind is _FindingKind.WRONG]
             if wrong:
                 checked = self.problem.checked[index]
-                counted = checked.numel <= ELEMENTWISE_LIMIT
+                counted = index in self.searched
                 found.append(
                     f"{checked.name} ({len(wrong)} of {checked.numel} elements)"
                     if counted
-                    else f"{checked.name} (at {checked.element(wrong[0].element)})"
+                    else checked.element(wrong[0].element)
                 )
         return found
 
     def wrong_in(self, indices: Iterable[int]) -> WrongGradient | None:
         """The wrong gradient of the first of these tensors that has one, else ``None``."""
-        for index in indices:
+        indices = list(indices)
+        for position, index in enumerate(indices):
             findings = self._examine(index)
             wrong = [f for f in findings if f.kind is _FindingKind.WRONG]
             if wrong:
-                return self._wrong(wrong, findings, index)
+                also = self._also_wrong(indices[position + 1 :])
+                return self._wrong(wrong, findings, index, also)
         return None
+
+    @property
+    def over_budget(self) -> bool:
+        return self.problem.evaluations >= self.budget
 
     def _examine(self, index: int) -> list[_Finding]:
         checked = self.problem.checked[index]
         elements: Iterable[int] = range(checked.numel)
-        if checked.numel > ELEMENTWISE_LIMIT:
+        # Slow mode examined every element already: its diagnosis may too. Fast mode's
+        # cost is a few evaluations, so its diagnosis bisects down to a small block.
+        limit = _BISECTION_BLOCK if self.check.fast else ELEMENTWISE_LIMIT
+        if checked.numel > limit:
             elements = self._bisect(index)
+        else:
+            self.searched.add(index)
         findings = []
         for element in elements:
             finding = self._element(index, int(element))
@@ -1229,9 +2184,9 @@ class _Diagnosis:
             halves = candidates.chunk(2)
             scores = []
             for half in halves:
-                # Random signs: a wrong element shows undiluted by the others (see _screen).
+                # A wrong element shows undiluted by the others (see _random_direction).
                 direction = torch.zeros(checked.numel, dtype=torch.float64)
-                direction[half] = _random_signs(half, self.generator).cpu()
+                direction[half] = _random_direction(half, self.generator).cpu()
                 direction = direction.to(checked.value.device)
                 step = (self.eps * direction).reshape(checked.value.shape)
                 plus, _ = self._evaluate(index, step)
@@ -1273,7 +2228,7 @@ class _Diagnosis:
             divergence = _branch_divergence(self.base_log, log)
             if divergence is not None:
                 finding.kind, finding.divergence = _FindingKind.BOUNDARY, divergence
-                finding.side = side
+                finding.side, finding.moved_log = side, log
                 return finding
         right = self._project(plus - self.base) / self.eps
         left = self._project(self.base - minus) / self.eps
@@ -1378,7 +2333,7 @@ class _Diagnosis:
             f"numerical {worst.numerical:.6g}, analytical {worst.analytical:.6g} (difference "
             f"{abs(worst.numerical - worst.analytical):.3g}, allowed {worst.allowed:.3g})",
         ]
-        if checked.numel <= ELEMENTWISE_LIMIT:
+        if index in self.searched:
             lines.append(
                 f"  {len(wrong)} of {checked.numel} elements of {checked.name} are wrong"
                 + self._pattern(wrong)
@@ -1409,7 +2364,7 @@ class _Diagnosis:
                 f"{', '.join(module_hooks)}"
             )
         lines.append(self._footer())
-        return WrongGradient(
+        failure = WrongGradient(
             "\n".join(lines),
             tensor=checked.name,
             index=checked.index(worst.element),
@@ -1417,6 +2372,8 @@ class _Diagnosis:
             numerical=worst.numerical,
             analytical=worst.analytical,
         )
+        failure.output = self._output_element(worst.row)
+        return failure
 
     def _pattern(self, wrong: list[_Finding]) -> str:
         numerical = torch.tensor([f.numerical for f in wrong], dtype=torch.float64)
@@ -1449,11 +2406,30 @@ class _Diagnosis:
         element = first.checked.element(first.element)
         ended = f"no decision #{k} (that run made only {k - 1})"
         tensors = sorted({f.checked.name for f in boundaries})
+        moved_text = f"{element} {first.side} eps"
+        location = decision.location if decision else UNKNOWN_LOCATION
+        before = sum(d.location == location for d in self.base_log)
+        after = sum(d.location == location for d in first.moved_log)
+        if before != after:
+            change = "changes how many times a loop runs"
+            how = (
+                f"  the decision at {location} was made {before} time(s) at the point and "
+                f"{after} time(s) with {moved_text}: a loop over the data (a while condition, "
+                f"routing to experts, a list built from tensor values) ran a different number of "
+                f"times; no if went the other way"
+            )
+        else:
+            change = "sends that decision the other way (an if, a comparison)"
+            how = (
+                f"  the same decision, with another outcome: {_short_value(at_point)} at the point"
+            )
+            how += f", {_short_value(moved)} with {moved_text}"
         lines = [
-            f"cannot check the gradient of {self.problem.description} here: the input is within "
-            f"eps of a branch boundary at {where}",
+            f"cannot check the gradient of {self.problem.description} here: the point is within "
+            f"eps of a branch boundary at {where}: moving {element} by {first.side}eps {change}",
             f"  at the point: {at_point or ended}",
-            f"  with {element} {first.side} eps ({self.eps:g}): {moved or ended}",
+            f"  with {moved_text} ({self.eps:g}): {moved or ended}",
+            how,
             "  the finite differences compare two different branches, so they say nothing about "
             "the gradient: this is not a wrong gradient",
             f"  {len(boundaries)} examined elements cross a boundary (in {', '.join(tensors)})",

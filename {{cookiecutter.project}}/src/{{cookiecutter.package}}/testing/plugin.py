@@ -10,6 +10,10 @@ by side each use their own copy.
   pytest stops with a usage error that names the cause.
 - ``pytest --gpu -n N`` gives each xdist worker its own GPU through its
   ``CUDA_VISIBLE_DEVICES``; ``-n auto`` starts one worker per GPU.
+- ``pytest -n N``: each xdist worker's torch uses ``cores // N`` threads (at least
+  one, through its ``OMP_NUM_THREADS``), so N workers do not oversubscribe the cores;
+  the report header says how many. The ini option ``torch_worker_threads`` (``auto``,
+  ``off`` or a number) changes it; an ``OMP_NUM_THREADS`` already set is left alone.
 - After each GPU test: synchronize, so an asynchronous CUDA error fails the test that
   caused it; after its teardown, report CUDA memory the test left allocated.
 - Around each test: a snapshot of torch's global settings and random number
@@ -42,7 +46,7 @@ import json
 import os
 import re
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,7 +57,13 @@ from .. import gpus
 from .._files import FileError, write_atomically
 from . import global_state
 
-__all__ = ["AfterTestCheckFailed", "GlobalStatePolicy", "TorchGlobalStateWarning"]
+__all__ = [
+    "AfterTestCheckFailed",
+    "GlobalStatePolicy",
+    "TorchGlobalStateWarning",
+    "WorkerThreads",
+    "worker_threads",
+]
 
 VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
 HOW_TO_RUN_GPU_TESTS = "needs a CUDA GPU: run pytest --gpu to run GPU tests"
@@ -61,6 +71,9 @@ GPU_MARKER = "gpu"
 KEEPS_CUDA_MEMORY_MARKER = "keeps_cuda_memory"
 CHANGES_GLOBAL_STATE_MARKER = "changes_global_state"
 GLOBAL_STATE_INI = "torch_global_state"
+THREADS_INI = "torch_worker_threads"
+# torch sizes its intra-op thread pool from this variable when it is imported.
+THREADS_VARIABLE = "OMP_NUM_THREADS"
 
 
 class GlobalStatePolicy(enum.Enum):
@@ -69,6 +82,59 @@ class GlobalStatePolicy(enum.Enum):
     FAIL = "fail"
     WARN = "warn"
     OFF = "off"
+
+
+@dataclass(frozen=True)
+class WorkerThreads:
+    """How many threads torch uses in each xdist worker (``None``: as torch decides), and why.
+
+    ``str()`` is the line of the report header.
+    """
+
+    threads: int | None
+    reason: str
+
+    def __str__(self) -> str:
+        count = "torch's default" if self.threads is None else str(self.threads)
+        return f"torch threads per xdist worker: {count} ({self.reason})"
+
+
+def worker_threads(
+    setting: str, cores: int, workers: int, environ: Mapping[str, str]
+) -> WorkerThreads:
+    """The thread count of each of ``workers`` xdist workers sharing ``cores`` cores.
+
+    ``setting`` is the ``torch_worker_threads`` ini value: ``auto`` (``cores // workers``,
+    at least 1, unless ``OMP_NUM_THREADS`` is set already), ``off`` or a whole number.
+    Each worker's torch would otherwise start as many threads as the machine has cores:
+    N workers then run N times as many threads as cores, and small ops wait on each other.
+    """
+    value = setting.strip()
+    if value == "off":
+        return WorkerThreads(None, f"{THREADS_INI} = off")
+    if value == "auto":
+        if THREADS_VARIABLE in environ:
+            return WorkerThreads(
+                None, f"{THREADS_VARIABLE}={environ[THREADS_VARIABLE]} is set: left as it says"
+            )
+        threads = max(1, cores // max(workers, 1))
+        return WorkerThreads(
+            threads,
+            f"{cores} cores // {workers} workers, so the workers do not oversubscribe the "
+            f"cores; {THREADS_INI} = off leaves torch's default",
+        )
+    if value.isdigit() and int(value) >= 1:
+        return WorkerThreads(int(value), f"{THREADS_INI} = {value}")
+    raise pytest.UsageError(
+        f"{THREADS_INI} = {setting!r} is not allowed: expected auto, off or a whole number "
+        ">= 1 (in [tool.pytest.ini_options] or -o)"
+    )
+
+
+def _cores() -> int:
+    """The cores this process may run on (its affinity: taskset, a container's cpuset)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity else os.cpu_count() or 1
 
 
 class AfterTestCheckFailed(AssertionError):
@@ -96,6 +162,7 @@ class _Session:
     cuda_checked: bool = False
     warmed_up: set[int] = field(default_factory=set)
     known_gpus: list[gpus.GpuInfo] | None = None
+    threads: WorkerThreads | None = None  # with xdist workers, on the controller
     # The test whose fixtures are being set up or torn down now.
     fixtures_of: pytest.Item | None = None
 
@@ -168,6 +235,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         "warn or off; the setting and every RNG are restored after each test in any case",
         default=GlobalStatePolicy.FAIL.value,
     )
+    parser.addini(
+        THREADS_INI,
+        "torch threads in each pytest-xdist worker: auto (cores // workers, at least 1; an "
+        "OMP_NUM_THREADS already set wins), off (torch's default) or a whole number",
+        default="auto",
+    )
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -217,11 +290,16 @@ def pytest_configure(config: pytest.Config) -> None:
     )
     session = _session(config)
     _start_decision_coverage(config)
-    if not session.gpu_enabled or session.in_worker:
+    if session.in_worker:
         return  # xdist workers check CUDA at their first GPU test
     session.distributed = config.getoption("dist", "no") != "no" and bool(
         config.getoption("tx", None)
     )
+    if session.distributed:
+        workers = _xdist_worker_count(config.getoption("tx"))
+        session.threads = worker_threads(config.getini(THREADS_INI), _cores(), workers, os.environ)
+    if not session.gpu_enabled:
+        return
     reason = gpus.cuda_unavailable_reason(
         initialize=not session.distributed, known_gpus=session.machine_gpus()
     )
@@ -241,6 +319,8 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
         f"torch global state: {GLOBAL_STATE_INI} = {session.policy.value} "
         "(settings and RNGs restored after each test)"
     ]
+    if session.threads is not None:
+        lines.append(str(session.threads))
     if not session.gpu_enabled:
         return [*lines, "GPU tests: skipped (run pytest --gpu to run them)"]
     return lines + _gpu_report_lines(session)
@@ -477,8 +557,12 @@ class _XdistHooks:
 
     def pytest_xdist_setupnodes(self, config: pytest.Config, specs: list[Any]) -> None:
         # The environment of the worker's interpreter is set before it imports anything,
-        # so CUDA there starts with only its own GPU visible.
+        # so torch there starts with its share of the cores, and CUDA with only its own
+        # GPU visible.
         session = _session(config)
+        if session.threads is not None and session.threads.threads is not None:
+            for spec in specs:
+                spec.env[THREADS_VARIABLE] = str(session.threads.threads)
         if not (session.gpu_enabled and session.visible):
             return
         devices = gpus.assign_devices(session.visible, len(specs))
@@ -734,8 +818,10 @@ def gradcheck(request: pytest.FixtureRequest) -> Callable[..., Any]:
     reaches (second order too with ``gradgrad=True``), leaving the model, the inputs
     and the global state as they were. Parameter gradient hooks are part of the
     checked gradient. ``branches="all"`` checks the other side of each branch
-    decision too. A failure names the tensor and element, the numbers, and whether
-    the point sits on a branch boundary, a kink or a jump instead. Options are
+    decision too. A wrong gradient is narrowed down to where it enters (a gradient
+    hook, a custom autograd Function, the smallest submodule wrong on its own) and
+    named with what it reaches (the tensor and element, the numbers); a point on a
+    branch boundary, a kink or a jump is said to be one instead. Options are
     keyword-only; the forward's keyword arguments go in ``forward_kwargs``. With
     ``-v`` each check writes one line: what was checked, in which mode, where the
     forward's lower-precision dtypes were kept in float64, and which branch sides
