@@ -5,7 +5,9 @@ Put the folder `plant` returns on the training processes' ``PYTHONPATH`` and set
 - ``AT_STEP``: the optimizer step (counted from the start of the process) after which
   rank 0 acts, from an optimizer step post-hook (so between two steps of the loop);
 - ``AT_STEP_ACTION``: ``stop``: rank 0 writes its PID into ``AT_STEP_MARKER``, then
-  stops itself with SIGSTOP (a job's requeue sends it SIGCONT, then SIGTERM), or
+  stops itself with SIGSTOP (a job's requeue sends it SIGCONT, then SIGTERM); once
+  continued, each of its ``os.fsync`` calls takes 2 s more, as on a slow shared
+  filesystem, so the other processes are done with their stop long before rank 0; or
   ``terminate``: rank 0 sends SIGTERM to every PID listed in ``AT_STEP_PIDS`` (the
   ``torchrun`` agents, which forward it to their processes), as an orchestrator would.
 
@@ -31,6 +33,8 @@ SOURCE = """
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         _steps = 0
+        # Longer than the other processes take to stop and their torchrun to exit.
+        SLOW_FSYNC_SECONDS = 2
 
         def _at_step(optimizer, args, kwargs):
             global _steps
@@ -41,6 +45,13 @@ SOURCE = """
                 with open(os.environ["AT_STEP_MARKER"], "w") as marker:
                     marker.write(str(os.getpid()))
                 os.kill(os.getpid(), signal.SIGSTOP)
+                fsync = os.fsync
+
+                def slow_fsync(fd):
+                    time.sleep(SLOW_FSYNC_SECONDS)
+                    fsync(fd)
+
+                os.fsync = slow_fsync
             else:
                 listed = os.environ["AT_STEP_PIDS"]
                 while not os.path.exists(listed):  # written once every agent is started

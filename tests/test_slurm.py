@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import signal
 import socket
 import time
 from collections.abc import Iterator
@@ -182,10 +183,50 @@ def test_requeue_checkpoints_the_step_reached(requeued: Requeued) -> None:
     checkpoint of step 20, and rank 0's message says how to resume."""
     assert requeued.between["global_step"] >= AT_STEP, requeued.between
     first = requeued.log.split("attempt 2, on n[1-2]")[0]
-    (hint,) = [line for line in first.splitlines() if line.startswith("resume with: ")]
+    hints = [line for line in first.splitlines() if line.startswith("resume with: ")]
+    assert len(hints) == 1, requeued.log
+    (hint,) = hints
     run_dir = shlex.quote(str(requeued.run_dir))
     assert f"slurm <this job's options> --run-dir {run_dir} -- " in hint
     assert hint.endswith("(a requeued job resumes by itself)")
+
+
+def test_step_signalled_by_scancel_ends_with_a_checkpoint(
+    cluster, hostile_project: Path, tmp_path: Path
+) -> None:
+    """``scancel --signal=TERM`` signals the processes of the job's steps and neither
+    cancels nor requeues the job. Rank 1 stops at once, its torchrun exits 1, and
+    ``srun --kill-on-bad-exit`` ends the step, which SLURM does with SIGTERM and, only
+    KillWait (30 s) later, SIGKILL. Rank 0, continued with every ``fsync`` 2 s slower
+    (`at_step`), still writes the checkpoint of the step it stops at and says how to
+    resume; the job ends FAILED, not requeued."""
+    stopped = tmp_path / "stopped"
+    environ = gloo_environment(
+        hostile_project,
+        path=(plant(tmp_path / "hook"),),
+        AT_STEP=str(AT_STEP),
+        AT_STEP_ACTION="stop",
+        AT_STEP_MARKER=str(stopped),
+        SLURM_CONF=cluster.env["SLURM_CONF"],
+    )
+    run_dir = tmp_path / "run"
+    launch = ("slurm", "--nodes", "2", "--gpus-per-node", "0", "--run-dir", str(run_dir))
+    submitted = run_module(hostile_project, LAUNCH, *launch, "--", *ARGS, *EVERY, env=environ)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = int(re.match(r"submitted job (\d+);", submitted.stdout).group(1))
+    cluster.wait_for("rank 0 stopped after step 23", stopped.exists, 180)
+    cluster.run("scancel", "--signal=TERM", str(job_id))
+    os.kill(int(stopped.read_text()), signal.SIGCONT)
+    cluster.wait_for(f"job {job_id} ended", lambda: cluster.job_state(job_id) == "FAILED", 120)
+    log = (run_dir / f"slurm-{job_id}.out").read_text()
+    assert "srun: error: n1: task 0: Exited with exit code 1" in log, log
+    assert checkpoint(run_dir)["global_step"] >= AT_STEP, log
+    assert re.search(
+        r"^stopped by SIGTERM at epoch 2, step \d+/16 \(step \d+ of the run\)", log, re.M
+    )
+    hint = re.search(r"^resume with: (.*)$", log, re.MULTILINE)
+    assert hint is not None, log
+    assert f"slurm <this job's options> --run-dir {shlex.quote(str(run_dir))} -- " in hint[1]
 
 
 def test_run_folder_on_a_local_disk_is_refused_for_other_machines(
