@@ -181,8 +181,19 @@ def test_fixture_turns_on_deterministic_settings(autograd_determinism):
 
 
 def test_reproducible_models_pass(plugin_pytester: pytest.Pytester) -> None:
-    result = run_session(plugin_pytester, PASSING)
+    """And ``-v`` prints each call's result, ``str(result)``, as the other checks do."""
+    result = run_session(plugin_pytester, PASSING, "-v")
     result.assert_outcomes(passed=11)
+    result.stdout.fnmatch_lines(
+        [
+            "autograd_determinism DynamicNet: 3 runs agreed bit for bit in * s: 1 output "
+            "tensor(s), * parameter and 0 input gradient(s)",
+            "autograd_determinism Sequential: 3 runs agreed bit for bit in * s: 1 output "
+            "tensor(s), 4 parameter and 0 input gradient(s); buffers the forward changes: "
+            "1.running_mean, 1.running_var, 1.num_batches_tracked",
+        ],
+        consecutive=False,
+    )
 
 
 FAILING = """
@@ -564,8 +575,11 @@ def test_cross_process_needs_picklable_models(autograd_determinism):
 
 def test_cross_process_run(plugin_pytester: pytest.Pytester, monkeypatch) -> None:
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
-    result = run_session(plugin_pytester, CROSS_PROCESS)
+    result = run_session(plugin_pytester, CROSS_PROCESS, "-v")
     result.assert_outcomes(passed=1, failed=2)
+    result.stdout.fnmatch_lines(
+        ["autograd_determinism Model: 3 runs (the last in a fresh process) agreed bit for bit *"]
+    )
     text = failure_section(result, "test_cross_process_difference")
     assert "Run 3 of 3 (in a fresh process) differs from run 1" in text
     assert (

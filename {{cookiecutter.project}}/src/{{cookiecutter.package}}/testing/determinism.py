@@ -26,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
@@ -48,6 +49,7 @@ from .comparison import (
     same_value,
 )
 from .failures import CheckFailure
+from .naming import describe_callable
 from .runs import Cotangents, Key, Kind, Run, run_once
 from .subject import Subject
 
@@ -509,7 +511,8 @@ class DeterminismResult:
     the same way: the forward's parameter name (``"x"``, ``"x[1]"`` inside a tuple),
     ``"inputs[i]"`` where the signature has none, the key of a ``forward_kwargs``
     entry (``"mask"``); messages call them ``input x``.
-    ``buffers`` holds the buffers the forward changed, after the run.
+    ``buffers`` holds the buffers the forward changed, after the run. ``str()`` of
+    the result is the line ``pytest -v`` reports.
     """
 
     outputs: Any
@@ -517,16 +520,23 @@ class DeterminismResult:
     input_grads: dict[str, torch.Tensor | None]
     buffers: dict[str, torch.Tensor]
     runs: int
+    function: str  # the callable, as messages name it
+    cross_process: bool
+    seconds: float
 
-
-def _result(run: Run, runs: int) -> DeterminismResult:
-    return DeterminismResult(
-        outputs=run.outputs,
-        parameter_grads=run.of_kind(Kind.PARAMETER_GRAD),
-        input_grads=run.of_kind(Kind.INPUT_GRAD),
-        buffers=run.of_kind(Kind.BUFFER),
-        runs=runs,
-    )
+    def __str__(self) -> str:
+        outputs = sum(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(self.outputs))
+        grads = {**self.parameter_grads, **{f"input {k}": v for k, v in self.input_grads.items()}}
+        unreached = [name for name, grad in grads.items() if grad is None]
+        fresh = " (the last in a fresh process)" if self.cross_process else ""
+        return (
+            f"autograd_determinism {self.function}: {self.runs} runs{fresh} agreed bit for bit "
+            f"in {self.seconds:.2f} s: {outputs} output tensor(s), "
+            f"{len(self.parameter_grads)} parameter and {len(self.input_grads)} input "
+            f"gradient(s)"
+            + (f"; not reached by the backward: {', '.join(unreached)}" if unreached else "")
+            + (f"; buffers the forward changes: {', '.join(self.buffers)}" if self.buffers else "")
+        )
 
 
 def _describe(key: Key, reference: Run, other: Run, run: int) -> str:
@@ -643,6 +653,7 @@ def check_determinism(
         )
     if not isinstance(cross_process, bool):
         raise TypeError(f"cross_process must be True or False, got {cross_process!r}")
+    started = time.perf_counter()
     subject = Subject(model_or_function, inputs, kwargs, failure=DeterminismError)
     cotangents = Cotangents(cotangent_seed)
     payload = b""
@@ -673,7 +684,16 @@ def check_determinism(
         raise _nondeterministic_op_error(subject, cotangents, raised) from None
     finally:
         subject.reset()
-    return _result(reference, runs)
+    return DeterminismResult(
+        outputs=reference.outputs,
+        parameter_grads=reference.of_kind(Kind.PARAMETER_GRAD),
+        input_grads=reference.of_kind(Kind.INPUT_GRAD),
+        buffers=reference.of_kind(Kind.BUFFER),
+        runs=runs,
+        function=describe_callable(model_or_function),
+        cross_process=cross_process,
+        seconds=time.perf_counter() - started,
+    )
 
 
 # --- the cross-process run ------------------------------------------------------------

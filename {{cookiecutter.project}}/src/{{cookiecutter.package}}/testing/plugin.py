@@ -788,7 +788,7 @@ def gpu() -> Any:
 
 
 @pytest.fixture
-def autograd_determinism() -> Iterator[Callable[..., Any]]:
+def autograd_determinism(request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]:
     """``autograd_determinism(model_or_function, /, *inputs, forward_kwargs=None, runs=3, ...)``:
     bitwise check.
 
@@ -805,7 +805,7 @@ def autograd_determinism() -> Iterator[Callable[..., Any]]:
     from .determinism import check_determinism, deterministic_mode
 
     with deterministic_mode():
-        yield check_determinism
+        yield _reporting(request, "autograd_determinism", check_determinism)
 
 
 @pytest.fixture
