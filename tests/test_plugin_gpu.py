@@ -603,7 +603,7 @@ def test_two_projects_and_a_foreign_one_in_one_environment(bake, tmp_path):
             "def test_gpu_test(gpu):\n    pass\n\n"
             "@pytest.mark.gpu(count=2)\ndef test_marked():\n    pass\n\n"
             "def test_own_fixtures(gradcheck, autograd_determinism):\n"
-            f"    assert gradcheck.__module__ == '{package}.testing.plugin'\n"
+            f"    assert gradcheck.__module__ == '{package}.testing.gradcheck'\n"
             f"    assert autograd_determinism.__module__ == '{package}.testing.determinism'\n"
         )
         assert env.run("pytest", "--help", cwd=project).stdout.count("--gpu ") == 1

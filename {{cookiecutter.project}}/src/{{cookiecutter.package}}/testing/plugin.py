@@ -41,6 +41,7 @@ Loading this module does not import torch.
 from __future__ import annotations
 
 import enum
+import functools
 import gc
 import json
 import os
@@ -752,8 +753,10 @@ def _reporting(
     report: Callable[[Any], str] = str,
 ) -> Callable[..., Any]:
     """``check`` whose result, as ``report`` words it, goes into the test's report section
-    ``name`` (and, with ``-v``, to the terminal at once)."""
+    ``name`` (and, with ``-v``, to the terminal at once). It keeps ``check``'s name,
+    docstring and signature, for ``help()`` and editors."""
 
+    @functools.wraps(check)
     def checked(*args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
         result = check(*args, **kwargs)
