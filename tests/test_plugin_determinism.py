@@ -38,6 +38,7 @@ def package(default_project: Path, monkeypatch: pytest.MonkeyPatch):
 
 
 PASSING = f"""
+import dataclasses
 import random
 
 import pytest
@@ -101,6 +102,17 @@ def test_tuple_dict_and_nested_outputs(autograd_determinism):
     assert set(result.outputs) == {{"logits", "parts", "steps"}}
     assert result.outputs["parts"][1][1].dtype == torch.int64
     assert not result.outputs["logits"].requires_grad
+
+
+def test_dataclass_output(autograd_determinism):
+    @dataclasses.dataclass
+    class Output:
+        logits: torch.Tensor
+        aux: dict
+
+    layer = nn.Linear(4, 4)
+    output = lambda x: Output(layer(x), {{"h": layer(x).sum(), "n": 3}})
+    assert autograd_determinism(output, torch.randn(2, 4)).outputs.aux["n"] == 3
 
 
 def test_batchnorm_in_training_mode(autograd_determinism):
@@ -183,11 +195,13 @@ def test_fixture_turns_on_deterministic_settings(autograd_determinism):
 def test_reproducible_models_pass(plugin_pytester: pytest.Pytester) -> None:
     """And ``-v`` prints each call's result, ``str(result)``, as the other checks do."""
     result = run_session(plugin_pytester, PASSING, "-v")
-    result.assert_outcomes(passed=11)
+    result.assert_outcomes(passed=12)
     result.stdout.fnmatch_lines(
         [
             "autograd_determinism DynamicNet: 3 runs agreed bit for bit in * s: 1 output "
             "tensor(s), * parameter and 0 input gradient(s)",
+            "autograd_determinism test_dataclass_output.<lambda>: 3 runs agreed bit for bit in "
+            "* s: 2 output tensor(s), 2 parameter and 0 input gradient(s)",
             "autograd_determinism Sequential: 3 runs agreed bit for bit in * s: 1 output "
             "tensor(s), 4 parameter and 0 input gradient(s); buffers the forward changes: "
             "1.running_mean, 1.running_var, 1.num_batches_tracked",

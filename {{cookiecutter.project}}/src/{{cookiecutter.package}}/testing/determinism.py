@@ -52,6 +52,7 @@ from .failures import CheckFailure
 from .naming import describe_callable
 from .runs import Cotangents, Key, Kind, Run, run_once
 from .subject import Subject
+from .trees import named_leaves
 
 __all__ = [
     "DEFAULT_SEED",
@@ -525,7 +526,8 @@ class DeterminismResult:
     seconds: float
 
     def __str__(self) -> str:
-        outputs = sum(isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(self.outputs))
+        leaves = named_leaves(self.outputs, "output")
+        outputs = sum(isinstance(leaf, torch.Tensor) for _, leaf in leaves)
         grads = {**self.parameter_grads, **{f"input {k}": v for k, v in self.input_grads.items()}}
         unreached = [name for name, grad in grads.items() if grad is None]
         fresh = " (the last in a fresh process)" if self.cross_process else ""
