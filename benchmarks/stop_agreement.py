@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import io
 import os
 import statistics
@@ -120,6 +121,9 @@ def measure(options: argparse.Namespace) -> None:
             f"medians; ratio {statistics.median(ratios):.3f} "
             f"(pairs {min(ratios):.3f} to {max(ratios):.3f})"
         )
+    # DDP's reducer sits in reference cycles: collect it while the process group and the
+    # interpreter are alive, or gloo's threads die at interpreter exit (as in train.py).
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -15,6 +15,7 @@ parameters, and that these match one process applying the ranks' averaged gradie
 from __future__ import annotations
 
 import copy
+import gc
 import sys
 
 import torch
@@ -82,6 +83,9 @@ def main(device_type: str) -> None:
     flat = torch.nn.utils.parameters_to_vector(model.parameters()).detach().cpu()
     gathered = [torch.empty_like(flat) for _ in range(world_size)]
     dist.all_gather(gathered, flat)
+    # DDP's reducer sits in reference cycles: collect it while the process group and the
+    # interpreter are alive, or gloo's threads die at interpreter exit (as in train.py).
+    gc.collect()
     dist.destroy_process_group()
     skipped = [runs == 0 for runs in runs_per_step]
     assert skipped == [rank == 0 and step == 0 for step in range(STEPS)], "the block ran otherwise"
