@@ -97,8 +97,8 @@ def main() -> int:
     use_generated_src(arguments.src)
     import torch
     from dynamic_model.testing.determinism import (
+        autograd_determinism,
         bitwise_equal,
-        check_determinism,
         deterministic_mode,
     )
 
@@ -109,7 +109,7 @@ def main() -> int:
         for name, model, x in models(arguments.batch):
             parameters = sum(p.numel() for p in model.parameters())
             cotangent = torch.randn_like(model(x))
-            check = lambda model=model, x=x: check_determinism(model, x, runs=3)  # noqa: E731
+            check = lambda model=model, x=x: autograd_determinism(model, x, runs=3)  # noqa: E731
             bare = lambda model=model, x=x, c=cotangent: bare_passes(model, x, c, 3)  # noqa: E731
             check()
             bare()

@@ -11,6 +11,7 @@ import contextlib
 import importlib
 import os
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -369,7 +370,7 @@ def failing(plugin_pytester: pytest.Pytester) -> pytest.RunResult:
 
 def test_generator_seeded_from_the_os_fails(failing: pytest.RunResult) -> None:
     text = failure_section(failing, "test_generator_seeded_from_the_os")
-    assert "DeterminismError: Run 2 of 3 differs from run 1" in text
+    assert "DeterminismFailure: Run 2 of 3 differs from run 1" in text
     assert "output: 8 of 8 elements differ, largest absolute difference" in text
     assert (
         f"first differing op: #1 aten.randn.generator (forward at test_session.py:"
@@ -456,7 +457,7 @@ import pytest
 import torch
 from torch import nn
 
-from {package}.testing.determinism import DeterminismError
+from {package}.testing.determinism import DeterminismError, DeterminismFailure
 
 
 class Gather(nn.Module):
@@ -474,10 +475,11 @@ def test_accumulating_backward(autograd_determinism):
     # (here, for this test) its CPU kernel accumulates in parallel, in varying order.
     torch.use_deterministic_algorithms(False)
     try:
-        with pytest.raises(DeterminismError) as raised:
+        with pytest.raises(DeterminismFailure) as raised:
             autograd_determinism(Gather(), torch.randn(100_000, 64), runs=10)
     finally:
         torch.use_deterministic_algorithms(True)
+    assert DeterminismError is DeterminismFailure  # the name it had before, kept
     print(raised.value)
 """.replace("{package}", DEFAULT_PACKAGE)
 
@@ -550,6 +552,11 @@ def test_state_after_a_failing_test_is_as_before(plugin_pytester: pytest.Pyteste
 
 
 CROSS_PROCESS = """
+import os
+import subprocess
+import sys
+import time
+
 import torch
 from torch import nn
 
@@ -575,6 +582,30 @@ class SaltedByProcess(nn.Module):
         return self.layer(x) + hash("salt") % 2**20
 
 
+class HangsInAFreshProcess(nn.Module):
+    # Hangs in any process but the one that made it (as a forward waiting on a lock that
+    # only the test's process ever releases), after starting a helper process of its own.
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(4, 4)
+        self.made_in = os.getpid()
+
+    def forward(self, x):
+        if os.getpid() != self.made_in:
+            helper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+            with open("helper.pid", "w") as file:
+                file.write(str(helper.pid))
+            while True:
+                time.sleep(0.1)
+        return self.layer(x)
+
+
+def test_cross_process_hangs(autograd_determinism):
+    autograd_determinism(
+        HangsInAFreshProcess(), torch.randn(2, 4), cross_process=True, child_deadline=20
+    )
+
+
 def test_cross_process_passes(autograd_determinism):
     autograd_determinism(Model(), torch.randn(2, 4), cross_process=True)
 
@@ -589,13 +620,41 @@ def test_cross_process_needs_picklable_models(autograd_determinism):
 """
 
 
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie no reaper collected has ended), after a moment for a
+    SIGKILL to land."""
+    for _ in range(50):
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, ProcessLookupError):
+            return False
+        if state in ("Z", "X"):
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def test_cross_process_run(plugin_pytester: pytest.Pytester, monkeypatch) -> None:
     monkeypatch.delenv("PYTHONHASHSEED", raising=False)
     result = run_session(plugin_pytester, CROSS_PROCESS, "-v")
-    result.assert_outcomes(passed=1, failed=2)
+    result.assert_outcomes(passed=1, failed=3)
     result.stdout.fnmatch_lines(
         ["autograd_determinism Model: 3 runs (the last in a fresh process) agreed bit for bit *"]
     )
+    text = failure_section(result, "test_cross_process_hangs")
+    hung = re.search(
+        r"DeterminismFailure: autograd_determinism: the fresh process of cross_process=True "
+        r"\(pid (\d+), run 3\) did not finish within child_deadline=20 s and was killed with "
+        r"its process group; it was running the model forward and backward\.",
+        text,
+    )
+    assert hung, text
+    assert "Its stack, innermost first: test_session.py:" in text
+    assert "`time.sleep(0.1)`" in text
+    output = re.search(r"Its output \(stdout and stderr\) is in (/\S+)", text)
+    assert output and Path(output[1]).is_file()
+    for pid in (int(hung[1]), int((plugin_pytester.path / "helper.pid").read_text())):
+        assert not _running(pid), f"process {pid} outlived the deadline"
     text = failure_section(result, "test_cross_process_difference")
     assert "Run 3 of 3 (in a fresh process) differs from run 1" in text
     assert (
@@ -611,20 +670,36 @@ import pytest
 import torch
 
 
-@pytest.mark.parametrize("runs", [1, 2.5, True])
-def test_runs(autograd_determinism, runs):
-    with pytest.raises(ValueError, match=f"runs must be an integer >= 2 .*got {runs!r}"):
+@pytest.mark.parametrize("runs, error", [(1, ValueError), (2.5, TypeError), (True, TypeError)])
+def test_runs(autograd_determinism, runs, error):
+    with pytest.raises(error) as raised:
         autograd_determinism(torch.sin, torch.ones(2), runs=runs)
+    assert str(raised.value) == (
+        f"autograd_determinism: runs={runs!r} is not allowed: expected an int >= 2 "
+        "(two runs to compare at least)"
+    )
 
 
 def test_not_callable(autograd_determinism):
-    with pytest.raises(TypeError, match="must be an nn.Module or a callable, got int"):
+    with pytest.raises(TypeError) as raised:
         autograd_determinism(3, torch.ones(2))
+    assert str(raised.value) == (
+        "autograd_determinism: model_or_fn=3 is not allowed: expected an nn.Module or a callable"
+    )
+
+
+@pytest.mark.parametrize("deadline", [0, -1.0, float("inf")])
+def test_child_deadline(autograd_determinism, deadline):
+    with pytest.raises(ValueError) as raised:
+        autograd_determinism(torch.sin, torch.ones(2), cross_process=True, child_deadline=deadline)
+    assert str(raised.value) == (
+        f"autograd_determinism: child_deadline={deadline!r} is not allowed: expected a number > 0"
+    )
 """
 
 
 def test_bad_arguments_are_named(plugin_pytester: pytest.Pytester) -> None:
-    run_session(plugin_pytester, BAD_ARGUMENTS).assert_outcomes(passed=4)
+    run_session(plugin_pytester, BAD_ARGUMENTS).assert_outcomes(passed=7)
 
 
 CALLING_CONVENTION = """
@@ -702,7 +777,7 @@ def test_calling_convention_and_data_less_tensors(plugin_pytester: pytest.Pytest
     text = failure_section(result, "test_unknown_keyword")
     assert (
         "TypeError: autograd_determinism() got unknown keyword argument(s) 'scale': its options "
-        "are runs, cross_process, cotangent_seed; keyword arguments of the forward go in "
+        "are forward_kwargs, runs, cross_process, cotangent_seed, child_deadline; keyword arguments of the forward go in "
         "forward_kwargs={'scale': ...}" in text
     )
     text = failure_section(result, "test_forward_kwargs_not_a_mapping")

@@ -26,8 +26,10 @@ SHARED_FLOOR = frozenset(
         "frames",  # whose code a frame runs; the user's line and the library lines under it
         "global_state",  # torch's process-wide settings and RNGs: snapshot, compare, restore
         "naming",  # names of callables, inputs and tensor elements in reports
+        "options",  # a check's options checked, refused in one line naming check and option
         "parameter_use",  # parameters a forward reaches, and the decisions that decide it
         "parts",  # the autograd Functions and submodule calls of one forward, with their inputs
+        "processes",  # a child process run to a deadline, killed with its group, its stack read
         "rewrites",  # the rewrite that takes a data-dependent decision out of Python
         "sources",  # a source file parsed once: nodes, parents, expressions by span
         "runs",  # one forward and backward, its cotangents and typed results

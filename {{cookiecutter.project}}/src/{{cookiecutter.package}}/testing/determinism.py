@@ -1,6 +1,6 @@
 """Prove that forward and backward of a model are bitwise reproducible, and say where not.
 
-:func:`check_determinism` runs a model (or function) forward and backward several
+:func:`autograd_determinism` runs a model (or function) forward and backward several
 times, each from the same parameters, buffers, RNG states and inputs, pulls a
 fixed random cotangent back through every floating-point output, and compares
 outputs, parameter gradients, input gradients and updated buffers bit for bit.
@@ -22,7 +22,7 @@ import enum
 import io
 import os
 import pickle
-import subprocess
+import shutil
 import sys
 import tempfile
 import threading
@@ -36,11 +36,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..gpus import version_tuple
-from . import calls, control_flow, global_state
+from . import calls, control_flow, global_state, options, processes
 from .comparison import (
     as_bits,
     bitwise_equal,
@@ -50,18 +49,21 @@ from .comparison import (
 )
 from .failures import CheckFailure
 from .naming import describe_callable
+from .parameter_use import located
 from .runs import Cotangents, Key, Kind, Run, run_once
 from .subject import Subject
 from .trees import named_leaves
 
 __all__ = [
+    "CHILD_DEADLINE",
     "DEFAULT_SEED",
     "CublasWorkspaceAction",
     "DeterminismError",
+    "DeterminismFailure",
     "DeterminismResult",
     "NondeterministicOpError",
+    "autograd_determinism",
     "bitwise_equal",
-    "check_determinism",
     "cublas_workspace_action",
     "describe_tensor_difference",
     "deterministic_mode",
@@ -69,6 +71,13 @@ __all__ = [
 ]
 
 DEFAULT_SEED = 0
+# Seconds the fresh process of cross_process=True may take before it is killed: it
+# imports torch (2 to 5 s), unpickles the model and runs one forward and backward, which
+# a model a unit test can run takes seconds for; ten minutes leave room for a large model
+# on a loaded CI machine, and a hung child (a deadlock in a thread pool, a forward waiting
+# on a lock the parent held at the fork) still fails the test instead of hanging it.
+CHILD_DEADLINE = 600.0
+_OPTIONS = ("forward_kwargs", "runs", "cross_process", "cotangent_seed", "child_deadline")
 
 # torch checked CUBLAS_WORKSPACE_CONFIG under deterministic mode until
 # pytorch/pytorch#161749 removed the check (torch 2.10): since CUDA 11 torch gives
@@ -92,13 +101,16 @@ _RANDOM_OPS = frozenset(
 )
 
 
-class DeterminismError(CheckFailure):
+class DeterminismFailure(CheckFailure):
     """Two runs from identical starting conditions gave different results."""
 
     check = "autograd_determinism"
 
 
-class NondeterministicOpError(DeterminismError):
+DeterminismError = DeterminismFailure  # its name before every check's failures were *Failure
+
+
+class NondeterministicOpError(DeterminismFailure):
     """An op has no deterministic implementation, so deterministic mode refused to run it."""
 
 
@@ -292,7 +304,7 @@ class _GraphTagger(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
-        pending = [t.grad_fn for t in pytree.tree_leaves(result) if isinstance(t, torch.Tensor)]
+        pending = [t.grad_fn for _, t in named_leaves(result, "") if isinstance(t, torch.Tensor)]
         site = None
         while pending:
             node = pending.pop()
@@ -607,19 +619,20 @@ def _nondeterministic_op_error(
     return NondeterministicOpError("\n".join(lines))
 
 
-def check_determinism(
-    model_or_function: Callable[..., Any],
+def autograd_determinism(
+    model_or_fn: Callable[..., Any],
     /,
     *inputs: Any,
     forward_kwargs: Mapping[str, Any] | None = None,
     runs: int = 3,
     cross_process: bool = False,
     cotangent_seed: int = DEFAULT_SEED,
+    child_deadline: float = CHILD_DEADLINE,
     **unknown: Any,
 ) -> DeterminismResult:
     """Run forward and backward ``runs`` times from identical conditions; all must agree.
 
-    Each run calls ``model_or_function(*inputs, **forward_kwargs)``. Every run starts
+    Each run calls ``model_or_fn(*inputs, **forward_kwargs)``. Every run starts
     from the same parameters and buffers (of the modules the callable reaches: a
     module, a bound method, a ``functools.partial``, closures, defaults and globals
     holding modules), the same global RNG states (Python, NumPy, torch CPU and CUDA)
@@ -631,32 +644,30 @@ def check_determinism(
     nothing requires grad, for every floating-point input.
 
     ``cross_process=True`` makes the last run happen in a fresh Python process with
-    the same thread count (model, function and inputs must be picklable). Options are
+    the same thread count (model, function and inputs must be picklable); that process
+    is killed with its process group when it takes more than ``child_deadline`` seconds
+    (:data:`CHILD_DEADLINE`), and the failure says what it was running. Options are
     keyword-only; any other keyword is a ``TypeError``: the forward's keyword arguments
     go in ``forward_kwargs``.
 
-    Raises :class:`DeterminismError` naming the first differing tensor, then the first
+    Raises :class:`DeterminismFailure` naming the first differing tensor, then the first
     aten op or Python decision where the runs part, or :class:`NondeterministicOpError`
     when an op has no deterministic implementation.
     """
     __tracebackhide__ = True
-    calls.reject_unknown_keywords(
-        "autograd_determinism", unknown, ("runs", "cross_process", "cotangent_seed")
-    )
+    calls.reject_unknown_keywords("autograd_determinism", unknown, _OPTIONS)
     kwargs = calls.forward_kwargs_of("autograd_determinism", forward_kwargs)
-    if not callable(model_or_function):
-        raise TypeError(
-            "model_or_function must be an nn.Module or a callable, "
-            f"got {type(model_or_function).__name__}"
-        )
-    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 2:
-        raise ValueError(
-            f"runs must be an integer >= 2 (two runs to compare at least), got {runs!r}"
-        )
-    if not isinstance(cross_process, bool):
-        raise TypeError(f"cross_process must be True or False, got {cross_process!r}")
+    options.function(
+        "autograd_determinism", "model_or_fn", model_or_fn, "an nn.Module or a callable"
+    )
+    options.whole_number(
+        "autograd_determinism", "runs", runs, minimum=2, why="two runs to compare at least"
+    )
+    options.flag("autograd_determinism", "cross_process", cross_process)
+    options.whole_number("autograd_determinism", "cotangent_seed", cotangent_seed)
+    options.number("autograd_determinism", "child_deadline", child_deadline)
     started = time.perf_counter()
-    subject = Subject(model_or_function, inputs, kwargs, failure=DeterminismError)
+    subject = Subject(model_or_fn, inputs, kwargs, failure=DeterminismFailure)
     cotangents = Cotangents(cotangent_seed)
     payload = b""
     try:
@@ -665,7 +676,11 @@ def check_determinism(
             payload = _child_payload(subject, cotangents)
         for run in range(2, runs + 1):
             in_child = cross_process and run == runs
-            other = _run_in_child(payload) if in_child else _run(subject, cotangents)
+            other = (
+                _run_in_child(payload, child_deadline, run)
+                if in_child
+                else _run(subject, cotangents)
+            )
             differing_keys = differing(reference.values, other.values, same_value)
             first = _describe(differing_keys[0], reference, other, run) if differing_keys else ""
             del other  # freed before the next run, which then reuses its memory
@@ -681,7 +696,7 @@ def check_determinism(
                     )
                 else:
                     lines.extend(_localize(subject, cotangents, attempts=max(runs, 3)))
-                raise DeterminismError("\n".join(lines))
+                raise DeterminismFailure("\n".join(lines))
     except _NondeterministicOpRaised as raised:
         raise _nondeterministic_op_error(subject, cotangents, raised) from None
     finally:
@@ -692,7 +707,7 @@ def check_determinism(
         input_grads=reference.of_kind(Kind.INPUT_GRAD),
         buffers=reference.of_kind(Kind.BUFFER),
         runs=runs,
-        function=describe_callable(model_or_function),
+        function=describe_callable(model_or_fn),
         cross_process=cross_process,
         seconds=time.perf_counter() - started,
     )
@@ -727,41 +742,76 @@ def _child_payload(subject: Subject, cotangents: Cotangents) -> bytes:
     return buffer.getvalue()
 
 
-def _run_in_child(payload: bytes) -> Run:
-    with tempfile.TemporaryDirectory(prefix="determinism-") as folder:
-        request, response = Path(folder, "request.pt"), Path(folder, "response.pt")
-        request.write_bytes(payload)
-        environment = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-        finished = subprocess.run(
-            [sys.executable, "-m", __name__, str(request), str(response)],
-            env=environment,
-            capture_output=True,
-            text=True,
-            check=False,
+def _run_in_child(payload: bytes, deadline: float, run: int) -> Run:
+    """Run ``run`` in a fresh process, killed with its process group after ``deadline`` s.
+
+    Its folder (request, response, output, stack) is removed when it succeeded and kept
+    for the user to read when it did not.
+    """
+    __tracebackhide__ = True
+    folder = Path(tempfile.mkdtemp(prefix="determinism-"))
+    request, response = folder / "request.pt", folder / "response.pt"
+    output, stack, stage = folder / "output.txt", folder / "stack.txt", folder / "stage.txt"
+    request.write_bytes(payload)
+    environment = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    outcome = processes.run_to_deadline(
+        [sys.executable, "-m", __name__, str(request), str(response), str(stack), str(stage)],
+        env=environment,
+        output=output,
+        stack=stack,
+        deadline=deadline,
+    )
+    process = f"the fresh process of cross_process=True (pid {outcome.pid}, run {run})"
+    if outcome.returncode is None:
+        doing = stage.read_text() if stage.exists() else _CHILD_STAGES[0]
+        lines = [
+            f"autograd_determinism: {process} did not finish within "
+            f"child_deadline={deadline:g} s and was killed with its process group; it was "
+            f"{doing}."
+        ]
+        if outcome.stack:
+            shown = [located(outcome.stack[0]), *map(str, outcome.stack[1:4])]
+            lines.append(f"Its stack, innermost first: {', '.join(shown)}")
+        lines.append(f"Its output (stdout and stderr) is in {output}")
+        raise DeterminismFailure("\n".join(lines))
+    if outcome.returncode != 0:
+        text = output.read_text(errors="replace").strip()
+        raise DeterminismFailure(
+            f"autograd_determinism: {process} failed (exit status {outcome.returncode}):\n"
+            f"{text[-3000:]}\nIts whole output is in {output}"
         )
-        if finished.returncode != 0:
-            raise DeterminismError(
-                f"The cross-process run failed (exit status {finished.returncode}):\n"
-                f"{finished.stderr.strip()[-3000:]}"
-            )
-        loaded = torch.load(response, weights_only=False)
+    loaded = torch.load(response, weights_only=False)
+    shutil.rmtree(folder, ignore_errors=True)
     return Run(loaded["outputs"], loaded["values"])
 
 
-def _child_main(request: str, response: str) -> None:
+# What the fresh process was doing, as it writes it to its stage file; the first before
+# it writes anything.
+_CHILD_STAGES = (
+    "starting: importing torch and the model's modules",
+    "unpickling the model and its inputs",
+    "running the model forward and backward",
+)
+
+
+def _child_main(request: str, response: str, stack: str, stage: str) -> None:
+    stack_file = open(stack, "w")  # noqa: SIM115 (faulthandler writes to it until the end)
+    processes.dump_stack_on_request(stack_file)
+    Path(stage).write_text(_CHILD_STAGES[1])
     payload = torch.load(request, weights_only=False)
     global_state.restore(global_state.GlobalState(settings=payload["settings"], rngs=()))
     for rng in global_state.rng_states():
         if rng.name in payload["rngs"]:
             rng.set_state(payload["rngs"][rng.name])
     subject = Subject(
-        payload["target"], payload["args"], payload["kwargs"], failure=DeterminismError
+        payload["target"], payload["args"], payload["kwargs"], failure=DeterminismFailure
     )
     cotangents = Cotangents(payload["cotangent_seed"])
     cotangents.samples.update(payload["cotangents"])
+    Path(stage).write_text(_CHILD_STAGES[2])
     result = _run(subject, cotangents)
     torch.save({"outputs": result.outputs, "values": result.values}, response)
 
 
 if __name__ == "__main__":
-    _child_main(*sys.argv[1:3])
+    _child_main(*sys.argv[1:5])

@@ -792,23 +792,23 @@ def gpu() -> Any:
 
 @pytest.fixture
 def autograd_determinism(request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]:
-    """``autograd_determinism(model_or_function, /, *inputs, forward_kwargs=None, runs=3, ...)``:
+    """``autograd_determinism(model_or_fn, /, *inputs, forward_kwargs=None, runs=3, ...)``:
     bitwise check.
 
     For the whole test: deterministic algorithms, deterministic cuDNN (no benchmark),
     filled uninitialized memory and seeded RNGs; all restored afterwards, also when
-    the test fails. The callable runs ``model_or_function(*inputs, **forward_kwargs)``
+    the test fails. The callable runs ``model_or_fn(*inputs, **forward_kwargs)``
     forward and backward ``runs`` times from the same parameters, buffers, RNG states
     and inputs and fails, naming the first differing tensor and the op or branch
     where the runs part, unless all agree bit for bit. Options are keyword-only; any
     other keyword is a ``TypeError``: the forward's keyword arguments go in
     ``forward_kwargs``. It returns the first run's outputs and gradients.
-    See :func:`.determinism.check_determinism` for the options.
+    See :func:`.determinism.autograd_determinism` for the options.
     """
-    from .determinism import check_determinism, deterministic_mode
+    from . import determinism
 
-    with deterministic_mode():
-        yield _reporting(request, "autograd_determinism", check_determinism)
+    with determinism.deterministic_mode():
+        yield _reporting(request, "autograd_determinism", determinism.autograd_determinism)
 
 
 @pytest.fixture
