@@ -491,7 +491,8 @@ EXPECTED_FAILURES = {
         "E*dynamic_shapes={'input': {0: torch.export.Dim.DYNAMIC}}",
     ],
     "test_bad_backend": [
-        "E*ValueError: compile_check: backend='inductr' is not a torch.compile backend; *inductor*"
+        "E*ValueError: compile_check: backend='inductr' is not allowed: expected a callable or "
+        "the name of a registered torch.compile backend, such as *inductor*"
     ],
     "test_inputs_list_of_tensors": [
         "E*TypeError: compile_check: inputs_list[0] must be a tuple of positional inputs "
@@ -503,7 +504,8 @@ EXPECTED_FAILURES = {
         "forward_kwargs={'threshold': ...}"
     ],
     "test_bad_budget": [
-        "E*ValueError: compile_check: max_graph_breaks must be None or a whole number >= 0, got -1"
+        "E*ValueError: compile_check: max_graph_breaks=-1 is not allowed: expected None or an "
+        "int >= 0"
     ],
     "test_export_unknown_keyword": [
         "E*TypeError: export_check() got unknown keyword argument(s) 'backend': its options are "

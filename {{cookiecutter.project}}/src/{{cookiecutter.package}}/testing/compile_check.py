@@ -45,10 +45,10 @@ from typing import Any
 
 import torch
 
-from . import control_flow, torch_logs
+from . import control_flow, options, torch_logs
 from .calls import forward_kwargs_of, input_sets, reject_unknown_keywords
 from .comparison import DEFAULT_TOLERANCES, close_mismatch, differing, tolerances_for
-from .failures import CheckFailure, quoted
+from .failures import CheckFailure, most_fundamental, quoted
 from .frames import (
     CallPath,
     Origin,
@@ -60,7 +60,7 @@ from .frames import (
 )
 from .naming import describe_callable
 from .rewrites import rewrite
-from .runs import Cotangents, Phase, Progress, Run, run_once
+from .runs import Cotangents, Phase, Run, RunProgress, run_once
 from .subject import Subject
 
 __all__ = [
@@ -317,31 +317,30 @@ def _validate(backend, mode, dynamic, max_graph_breaks, max_recompiles, rtol, at
         known = torch._dynamo.list_backends(exclude_tags=())
         if backend not in known:
             usual = sorted(name for name in known if name.islower() and name.count("_") <= 1)
-            raise ValueError(
-                f"compile_check: backend={backend!r} is not a torch.compile backend; "
-                f"expected a callable or a registered name such as {', '.join(usual)}"
+            raise options.refuse(
+                "compile_check",
+                "backend",
+                backend,
+                f"a callable or the name of a registered torch.compile backend, such as "
+                f"{', '.join(usual)}",
             )
-    elif not callable(backend):
-        raise TypeError(f"compile_check: backend must be a name or a callable, got {backend!r}")
-    if mode not in MODES:
-        allowed = ", ".join(repr(m) for m in MODES)
-        raise ValueError(f"compile_check: mode={mode!r} is not allowed: expected one of {allowed}")
+    else:
+        options.function(
+            "compile_check", "backend", backend, "a registered backend name or a callable"
+        )
+    options.choice("compile_check", "mode", mode, MODES)
     if mode is not None and backend != "inductor":
-        raise ValueError(f"compile_check: mode={mode!r} needs backend='inductor', got {backend!r}")
-    if dynamic not in (None, True, False):
-        raise TypeError(f"compile_check: dynamic must be None, True or False, got {dynamic!r}")
+        raise options.refuse(
+            "compile_check",
+            "mode",
+            mode,
+            f"None with backend={backend!r} (a mode needs backend='inductor')",
+        )
+    options.flag("compile_check", "dynamic", dynamic, optional=True)
     for name, value in (("max_graph_breaks", max_graph_breaks), ("max_recompiles", max_recompiles)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 0
-        ):
-            raise ValueError(
-                f"compile_check: {name} must be None or a whole number >= 0, got {value!r}"
-            )
+        options.whole_number("compile_check", name, value, minimum=0, optional=True)
     for name, value in (("rtol", rtol), ("atol", atol)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int | float) or value < 0
-        ):
-            raise ValueError(f"compile_check: {name} must be None or a number >= 0, got {value!r}")
+        options.number("compile_check", name, value, zero=True, optional=True)
 
 
 # --- what the compiler reports ------------------------------------------------------------
@@ -859,11 +858,7 @@ def compile_check(
     """
     __tracebackhide__ = True
     reject_unknown_keywords("compile_check", unknown, _OPTIONS)
-    if not callable(model_or_fn):
-        raise TypeError(
-            f"compile_check: model_or_fn must be an nn.Module or a callable, got "
-            f"{type(model_or_fn).__name__}"
-        )
+    options.function("compile_check", "model_or_fn", model_or_fn, "an nn.Module or a callable")
     kwargs = forward_kwargs_of("compile_check", forward_kwargs)
     sets = input_sets("compile_check", inputs, inputs_list)
     _validate(backend, mode, dynamic, max_graph_breaks, max_recompiles, rtol, atol)
@@ -885,7 +880,7 @@ def compile_check(
                 with control_flow.record_decisions() as log:
                     eager = _eager_run(subject, cotangents)
                 decisions.extend(log)
-                progress = Progress()
+                progress = RunProgress()
                 try:
                     with (
                         torch.compiler.set_stance("fail_on_recompile")
@@ -917,8 +912,23 @@ def compile_check(
             del eager, compiled
         graph_breaks = tuple(_graph_breaks(records.records, decisions))
         recompiles = tuple(_recompiles(decisions))
-    _check_budget(graph_breaks, max_graph_breaks, "max_graph_breaks", TooManyGraphBreaks)
-    _check_budget(recompiles, max_recompiles, "max_recompiles", TooManyRecompiles)
+    # Graph breaks before recompilations: a break splits the code into frames compiled
+    # and guarded each on its own, so breaks change where recompilations happen, not the
+    # other way round.
+    over_budget = most_fundamental(
+        [
+            failure
+            for failure in (
+                _over_budget(
+                    graph_breaks, max_graph_breaks, "max_graph_breaks", TooManyGraphBreaks
+                ),
+                _over_budget(recompiles, max_recompiles, "max_recompiles", TooManyRecompiles),
+            )
+            if failure is not None
+        ]
+    )
+    if over_budget is not None:
+        raise over_budget
     return CompileCheckResult(
         function=describe_callable(model_or_fn),
         backend=backend_name,
@@ -1098,10 +1108,11 @@ def _stance_recompile(message: str, decisions: Sequence[control_flow.Decision]) 
     return _recompile(function, filename, line, matched["guard"], decisions)
 
 
-def _check_budget(found: tuple, budget: int | None, option: str, error: type) -> None:
-    __tracebackhide__ = True
+def _over_budget(
+    found: tuple, budget: int | None, option: str, error: type[CompileCheckFailure]
+) -> CompileCheckFailure | None:
     if budget is None or len(found) <= budget:
-        return
+        return None
     what = "graph breaks" if error is TooManyGraphBreaks else "recompilations"
     listed = "\n".join(_indented(entry) for entry in found)
-    raise error(f"{len(found)} {what}, more than {option}={budget}:\n{listed}", found)
+    return error(f"{len(found)} {what}, more than {option}={budget}:\n{listed}", found)

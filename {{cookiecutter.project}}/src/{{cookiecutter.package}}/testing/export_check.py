@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import control_flow, torch_logs
+from . import control_flow, options, torch_logs
 from .calls import forward_kwargs_of, input_sets, reject_unknown_keywords
 from .comparison import close_mismatch
 from .failures import CheckFailure, quoted
@@ -217,13 +217,8 @@ def export_check(
     reject_unknown_keywords(
         "export_check", unknown, ("forward_kwargs", "inputs_list", "dynamic_shapes", "strict")
     )
-    if not callable(model_or_fn):
-        raise TypeError(
-            f"export_check: model_or_fn must be an nn.Module or a callable, got "
-            f"{type(model_or_fn).__name__}"
-        )
-    if not isinstance(strict, bool):
-        raise TypeError(f"export_check: strict must be True or False, got {strict!r}")
+    options.function("export_check", "model_or_fn", model_or_fn, "an nn.Module or a callable")
+    options.flag("export_check", "strict", strict)
     kwargs = forward_kwargs_of("export_check", forward_kwargs)
     sets = input_sets("export_check", inputs, inputs_list)
     module = model_or_fn if isinstance(model_or_fn, nn.Module) else _FunctionModule(model_or_fn)

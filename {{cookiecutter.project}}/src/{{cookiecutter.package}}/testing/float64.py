@@ -28,6 +28,7 @@ import torch
 from torch.utils._device import DeviceContext, _device_constructors
 
 from .control_flow import UNKNOWN_LOCATION, Location, user_location
+from .naming import op_name
 
 __all__ = ["NARROW", "CannotStayFloat64", "Float64Mode", "Narrowing", "Widening", "writes"]
 
@@ -157,7 +158,7 @@ class Float64Mode(DeviceContext):
         if kwargs:
             dtype = kwargs.get("dtype")
             if dtype in WIDE:
-                self._note(f"{_name(func)}(dtype={dtype})", dtype)
+                self._note(f"{op_name(func)}(dtype={dtype})", dtype)
                 kwargs = {**kwargs, "dtype": WIDE[dtype]}
             if func in self._constructors and kwargs.get("device") is None:
                 kwargs = {**kwargs, "device": self.device}
@@ -197,22 +198,22 @@ class Float64Mode(DeviceContext):
         except Exception:
             raise error from None
         location = _location()
-        key = (_name(func), location)
+        key = (op_name(func), location)
         if key not in self.narrowed:
             reason = (
                 str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             )
-            self.narrowed[key] = Narrowing(_name(func), torch.float32, location, reason)
+            self.narrowed[key] = Narrowing(op_name(func), torch.float32, location, reason)
         return _cast(result, WIDE)
 
     def _widen_dtype(self, func, argument: Any) -> Any:
         if isinstance(argument, torch.dtype) and argument in WIDE:
-            self._note(f"{_name(func)}({argument})", argument)
+            self._note(f"{op_name(func)}({argument})", argument)
             return WIDE[argument]
         if isinstance(argument, type) and issubclass(argument, torch.Tensor):
             argument = f"{argument.__module__}.{argument.__name__}"
         if isinstance(argument, str) and argument in _TYPE_NAMES:
-            self._note(f"{_name(func)}({argument!r})", torch.float32)
+            self._note(f"{op_name(func)}({argument!r})", torch.float32)
             return _TYPE_NAMES[argument]
         return argument
 
@@ -230,7 +231,7 @@ class Float64Mode(DeviceContext):
             if original._version == version and wide._version == wide_version:
                 return wide
         self._note(
-            f"a {argument.dtype} tensor made outside the check, first used by {_name(func)}",
+            f"a {argument.dtype} tensor made outside the check, first used by {op_name(func)}",
             argument.dtype,
             key=("tensor", id(argument)),
         )
@@ -305,15 +306,3 @@ def _location() -> Location:
     while frame is not None and frame.f_code.co_filename == __file__:
         frame = frame.f_back
     return user_location(frame) or UNKNOWN_LOCATION
-
-
-def _name(func: Any) -> str:
-    qualified = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
-    defined_by = getattr(func, "__objclass__", None)
-    owner = (
-        "Tensor." if isinstance(defined_by, type) and issubclass(torch.Tensor, defined_by) else ""
-    )
-    module = getattr(func, "__module__", None) or ""
-    if not owner and module.startswith("torch"):
-        owner = "torch.nn.functional." if module == "torch.nn.functional" else "torch."
-    return owner + qualified.split(".")[-1]

@@ -5,7 +5,9 @@
   ``inspect.signature`` finds one, else ``inputs[i]`` (nested inputs then add their
   pytree path, ``x[0]['mask']``: see :mod:`.trees`);
 - :func:`element_name`: ``x[2, 3]``, ``parameter encoder.weight[0, 1]``, or the name
-  alone for a tensor of one element.
+  alone for a tensor of one element;
+- :func:`op_name`: a torch function as users write it, ``Tensor.sqrt``, ``torch.log``,
+  ``torch.nn.functional.linear``, ``torch.linalg.norm``.
 """
 
 from __future__ import annotations
@@ -15,9 +17,20 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
-__all__ = ["describe_callable", "element_name", "input_names"]
+__all__ = ["describe_callable", "element_name", "input_names", "op_name"]
+
+# torch's C modules behind public ones, and the prefix their functions' names carry there
+# (torch.linalg.norm is torch._C._linalg.linalg_norm).
+_PUBLIC_MODULES = {
+    "torch._C._nn": ("torch.nn.functional", ""),
+    "torch.nn.functional": ("torch.nn.functional", ""),
+    "torch._C._linalg": ("torch.linalg", "linalg_"),
+    "torch._C._fft": ("torch.fft", "fft_"),
+    "torch._C._special": ("torch.special", "special_"),
+}
 
 
 def describe_callable(function: Any) -> str:
@@ -73,3 +86,24 @@ def _from_code(target: Any) -> list[str] | None:
         return None
     code = function.__code__
     return list(code.co_varnames[skip : code.co_argcount])
+
+
+def op_name(func: Any) -> str:
+    """``Tensor.sqrt``, ``torch.log``, ``torch.nn.functional.linear``, ``torch.linalg.norm``:
+    a function a torch function mode sees, named as users call it; ``aten.add.Tensor`` for
+    an op overload; a function outside torch by its name."""
+    name = getattr(func, "__name__", None) or repr(func)
+    module = getattr(func, "__module__", None) or ""
+    if module.startswith("torch._ops"):  # an aten op overload or packet
+        return str(func)
+    owner = getattr(func, "__objclass__", None)
+    qualified = getattr(func, "__qualname__", None) or ""
+    if (isinstance(owner, type) and issubclass(torch.Tensor, owner)) or qualified.startswith(
+        ("Tensor.", "TensorBase.")
+    ):
+        return f"Tensor.{name}"
+    if module in _PUBLIC_MODULES:
+        public, prefix = _PUBLIC_MODULES[module]
+        return f"{public}.{name.removeprefix(prefix)}"
+    # torch, torch.functional (einsum, stft), torch._tensor: users write torch.<name>.
+    return f"torch.{name}" if module == "torch" or module.startswith("torch.") else name

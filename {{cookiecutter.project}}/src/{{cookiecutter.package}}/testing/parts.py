@@ -114,14 +114,6 @@ class Parts:
     functions: list[FunctionCall] = field(default_factory=list)
     modules: list[ModuleCall] = field(default_factory=list)  # the outermost calls
 
-    def module_calls(self) -> Iterator[ModuleCall]:
-        """Every module call, parents before their children."""
-        pending = list(reversed(self.modules))
-        while pending:
-            call = pending.pop()
-            yield call
-            pending.extend(reversed(call.children))
-
 
 @dataclass(frozen=True)
 class State:

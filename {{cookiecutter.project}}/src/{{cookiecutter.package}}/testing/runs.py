@@ -7,7 +7,7 @@ through every floating-point output that requires grad with ``torch.autograd.gra
 a :class:`Run`: the outputs (detached, in the structure the model returned) and every
 value to compare, keyed by :class:`Key`: each output leaf, the gradient of each
 trainable parameter and differentiated input, and each buffer the forward changed.
-A :class:`Progress` passed in says which :class:`Phase` a run that raised was in.
+A :class:`RunProgress` passed in says which :class:`Phase` a run that raised was in.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from . import calls
 from .subject import Subject
 from .trees import map_tensors, named_leaves
 
-__all__ = ["Cotangents", "Key", "Kind", "Phase", "Progress", "Run", "run_once"]
+__all__ = ["Cotangents", "Key", "Kind", "Phase", "Run", "RunProgress", "run_once"]
 
 
 class Kind(enum.Enum):
@@ -66,7 +66,7 @@ class Phase(enum.Enum):
 
 
 @dataclass
-class Progress:
+class RunProgress:
     """How far a run got: the :class:`Phase` it is in, updated as it goes."""
 
     phase: Phase = Phase.FORWARD
@@ -117,7 +117,7 @@ def run_once(
     *,
     call: Callable[..., Any] | None = None,
     recording: contextlib.AbstractContextManager[Any] | None = None,
-    progress: Progress | None = None,
+    progress: RunProgress | None = None,
 ) -> Run:
     """One forward and backward from the starting conditions.
 
@@ -125,7 +125,7 @@ def run_once(
     the subject's modules and inputs; ``recording`` is entered around forward and
     backward; ``progress`` follows the phase, so a caller knows where a run raised.
     """
-    progress = progress or Progress()
+    progress = progress or RunProgress()
     progress.phase = Phase.FORWARD
     subject.reset()
     inputs = subject.fresh_inputs()

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from . import calls, global_state
+from . import calls, global_state, options
 from .comparison import bitwise_equal, close_mismatch
 from .control_flow import (
     UNKNOWN_LOCATION,
@@ -47,8 +47,8 @@ from .control_flow import (
     user_location,
     without_torch_function_modes,
 )
-from .failures import CheckFailure
-from .naming import describe_callable
+from .failures import CheckFailure, most_fundamental
+from .naming import describe_callable, op_name
 from .parameter_use import (
     BRANCH_OPS,
     MAX_FLIPS,
@@ -194,7 +194,7 @@ class TrainingResult:
 
 
 def training_check(
-    model: Callable[..., Any],
+    model_or_fn: Callable[..., Any],
     batch: Any,
     /,
     loss_fn: Callable[[Any, Any], torch.Tensor],
@@ -207,11 +207,11 @@ def training_check(
     atol: float | None = None,
     **unknown: Any,
 ) -> TrainingResult:
-    """Train ``model`` for ``steps`` steps on one repeated ``batch`` and check that it learns.
+    """Train ``model_or_fn`` for ``steps`` steps on one repeated ``batch``: does it learn?
 
     ``batch`` is ``(inputs, targets)``, as a ``DataLoader`` gives it: ``inputs`` is a
     tensor (the forward's one input), a tuple (its positional inputs) or a dict (its
-    keyword inputs); each step computes ``loss_fn(model(inputs), targets)``.
+    keyword inputs); each step computes ``loss_fn(model_or_fn(inputs), targets)``.
     ``optimizer`` is an optimizer over the model's parameters (checked for the ones it
     misses), a callable that makes one from a list of them
     (``functools.partial(torch.optim.SGD, lr=0.1)``), or ``None`` for
@@ -220,42 +220,54 @@ def training_check(
     dimension 0), each loss divided by ``k``, accumulated in ``.grad``; they are
     compared within ``rtol``/``atol`` (by dtype, as ``compile_check``). Everything
     is put back afterwards. Returns a :class:`TrainingResult`; raises a
-    :class:`TrainingCheckFailure` subclass.
+    :class:`TrainingCheckFailure` subclass: the most fundamental problem found (NaN
+    first, then parameters the optimizer misses, parameters without a gradient,
+    parameters not updated, a loss that does not fall, accumulation), with the others
+    listed after ``also:`` in its message.
     """
     __tracebackhide__ = True
     calls.reject_unknown_keywords("training_check", unknown, _OPTIONS)
     extra_kwargs = calls.forward_kwargs_of("training_check", forward_kwargs)
     args, kwargs, targets = _split_batch(batch)
     kwargs = {**kwargs, **extra_kwargs}
-    _check_count("steps", steps, minimum=1)
-    if accumulation_steps is not None:
-        _check_count("accumulation_steps", accumulation_steps, minimum=2)
-    if not callable(loss_fn):
-        raise TypeError(
-            f"training_check: loss_fn must be a callable loss_fn(output, targets) -> loss "
-            f"(e.g. torch.nn.CrossEntropyLoss()), got {loss_fn!r}"
-        )
-    subject = Subject(model, args, kwargs, failure=TrainingCheckFailure, trains=True)
+    options.function("training_check", "model_or_fn", model_or_fn, "an nn.Module or a callable")
+    options.whole_number("training_check", "steps", steps, minimum=1)
+    options.whole_number(
+        "training_check",
+        "accumulation_steps",
+        accumulation_steps,
+        minimum=2,
+        optional=True,
+        why="micro-batches to accumulate",
+    )
+    options.function(
+        "training_check",
+        "loss_fn",
+        loss_fn,
+        "a callable loss_fn(output, targets) -> loss (e.g. torch.nn.CrossEntropyLoss())",
+    )
+    options.number("training_check", "rtol", rtol, zero=True, optional=True)
+    options.number("training_check", "atol", atol, zero=True, optional=True)
+    subject = Subject(model_or_fn, args, kwargs, failure=TrainingCheckFailure, trains=True)
     if not subject.parameters:
         raise ValueError(
-            f"training_check: {describe_callable(model)} reaches no trainable parameter "
+            f"training_check: {describe_callable(model_or_fn)} reaches no trainable parameter "
             "(no module with parameters that require grad): there is nothing to train"
         )
-    trainer = _Trainer(subject, targets, loss_fn, _optimizer(optimizer, subject.parameters))
+    trainer = _OneBatchTraining(
+        subject, targets, loss_fn, _optimizer(optimizer, subject.parameters)
+    )
     with trainer.restoring():
         trainer.run(steps)
         accumulation = (
             trainer.accumulation(accumulation_steps, rtol, atol) if accumulation_steps else None
         )
         explained = trainer.explain_missing_gradients()
-    findings = trainer.findings(explained, accumulation)
-    if findings:
-        first, *others = findings
-        if others:
-            first.add_note("\n".join(["also:", *(f"  {type(o).__name__}: {o}" for o in others)]))
-        raise first
+    failure = most_fundamental(trainer.findings(explained, accumulation))
+    if failure is not None:
+        raise failure
     return TrainingResult(
-        subject=describe_callable(model),
+        subject=describe_callable(model_or_fn),
         optimizer=trainer.optimizer_text,
         steps=steps,
         losses=tuple(trainer.losses),
@@ -264,13 +276,6 @@ def training_check(
         decisions=site_outcomes(trainer.logs),
         accumulation_steps=accumulation_steps,
     )
-
-
-def _check_count(name: str, value: Any, *, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(
-            f"training_check: {name} must be a whole number >= {minimum}, got {value!r}"
-        )
 
 
 def _split_batch(batch: Any) -> tuple[tuple, dict[str, Any], Any]:
@@ -337,7 +342,7 @@ class _NonFinite:
     note: str = ""
 
 
-class _Trainer:
+class _OneBatchTraining:
     """The steps of one check, what they saw, and putting everything back."""
 
     def __init__(
@@ -835,7 +840,7 @@ class _NonFiniteFinder(DecisionMode):
         outputs = [t for _, t in named_leaves(result, "") if isinstance(t, torch.Tensor)]
         if not outputs:
             return
-        name = _op_name(func)
+        name = op_name(func)
         location = user_location(sys._getframe(1)) or UNKNOWN_LOCATION
         for tensor in outputs:
             if tensor.grad_fn is not None and id(tensor.grad_fn) not in self.nodes:
@@ -848,14 +853,3 @@ class _NonFiniteFinder(DecisionMode):
 
     def graph_nodes(self) -> list[Any]:
         return list(self._keep)
-
-
-def _op_name(func: Any) -> str:
-    """``Tensor.sqrt``, ``torch.log``, ``torch.nn.functional.linear``: how users write it."""
-    name = getattr(func, "__name__", None) or repr(func)
-    if getattr(func, "__qualname__", "").startswith(("TensorBase.", "Tensor.")):
-        return f"Tensor.{name}"
-    module = getattr(func, "__module__", None) or ""
-    if module in ("torch.nn.functional", "torch._C._nn"):
-        return f"torch.nn.functional.{name}"
-    return f"torch.{name}" if module.startswith("torch") else name
