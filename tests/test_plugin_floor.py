@@ -104,7 +104,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from {DEFAULT_PACKAGE}.testing.compile_check import CompileCheckFailure
-from {DEFAULT_PACKAGE}.testing.determinism import DeterminismError
+from {DEFAULT_PACKAGE}.testing.determinism import DeterminismFailure
 from {DEFAULT_PACKAGE}.testing.export_check import ExportCheckFailure
 from {DEFAULT_PACKAGE}.testing.failures import CheckFailure
 from {DEFAULT_PACKAGE}.testing.gradcheck import GradcheckFailure
@@ -135,7 +135,7 @@ def reentrant(x):
 
 def test_each_check_has_its_own_failure_class():
     assert issubclass(GradcheckFailure, CheckFailure) and issubclass(CheckFailure, AssertionError)
-    names = [c.check for c in (GradcheckFailure, DeterminismError, CompileCheckFailure,
+    names = [c.check for c in (GradcheckFailure, DeterminismFailure, CompileCheckFailure,
                                ExportCheckFailure)]
     assert names == ["gradcheck", "autograd_determinism", "compile_check", "export_check"]
 
@@ -148,7 +148,7 @@ def test_parameter_changed_in_place_under_compile_check(compile_check):
 
 def test_parameter_changed_in_place_under_autograd_determinism(autograd_determinism):
     torch.manual_seed(0)
-    with pytest.raises(DeterminismError, match="changed the trainable parameter layer.weight"):
+    with pytest.raises(DeterminismFailure, match="changed the trainable parameter layer.weight"):
         autograd_determinism(Clipped(), torch.randn(2, 4))
 
 

@@ -251,6 +251,12 @@ def test_an_optimizer_built_before_the_last_layer(training_check):
     training_check(model, batch(), cross_entropy, optimizer=optimizer, steps=3)
 
 
+def test_two_problems_at_once(training_check):
+    model = seeded(DetachedEncoder)
+    optimizer = torch.optim.Adam(model.encoder.parameters(), lr=0.01)
+    training_check(model, batch(), cross_entropy, optimizer=optimizer)
+
+
 def test_a_param_group_with_lr_zero(training_check):
     model = seeded(Encoder)
     optimizer = torch.optim.SGD([{{"params": model.encoder.parameters(), "lr": 0.0}},
@@ -325,6 +331,15 @@ EXPECTED_FAILURES = {
         "E*2.weight, 2.bias",
         "E*Build the optimizer from model.parameters() once the model is complete*",
     ],
+    "test_two_problems_at_once": [  # the first raised, the others in its message
+        "E*ParametersNotInOptimizer: the optimizer (Adam (lr=0.01)) does not hold 2 of 4 "
+        "trainable parameters of DetachedEncoder*",
+        "E*head.weight, head.bias",
+        "E*also:",
+        "E*  ParametersWithoutGradient: 2 of 4 parameters of DetachedEncoder were never given "
+        "a gradient*",
+        "E*      encoder.weight, encoder.bias: cut off the graph by .detach() at *",
+    ],
     "test_a_param_group_with_lr_zero": [
         "E*ParametersNotUpdated: 2 of 4 parameters of Encoder got a gradient but did not "
         "change in 5 steps of SGD (lr=0, 0.1):",
@@ -373,7 +388,7 @@ EXPECTED_FAILURES = {
         "E*TypeError: training_check: batch must be a pair (inputs, targets)*got Tensor",
     ],
     "test_zero_steps": [
-        "E*ValueError: training_check: steps must be a whole number >= 1, got 0",
+        "E*ValueError: training_check: steps=0 is not allowed: expected an int >= 1",
     ],
     "test_a_forward_keyword_as_an_option": [
         "E*TypeError: training_check() got unknown keyword argument(s) 'scale': its options "

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from dynamic_model import DynamicNet, RecursiveNet
-from dynamic_model.testing.determinism import DeterminismError, NondeterministicOpError
+from dynamic_model.testing.determinism import DeterminismFailure, NondeterministicOpError
 
 
 def show(error):
@@ -99,7 +99,7 @@ class NoisyBackward(torch.autograd.Function):
 
 def test_backward_ops_on_the_cuda_autograd_thread_are_localized(autograd_determinism, gpu):
     layer = nn.Linear(8, 8).to(gpu)
-    with pytest.raises(DeterminismError) as raised:
+    with pytest.raises(DeterminismFailure) as raised:
         autograd_determinism(lambda x: NoisyBackward.apply(layer(x)), torch.randn(4, 8, device=gpu))
     show(raised.value)
     message = str(raised.value)
@@ -124,7 +124,7 @@ def test_atomic_adds_in_backward_are_found_when_deterministic_mode_is_off(
 
     torch.use_deterministic_algorithms(False)
     try:
-        with pytest.raises(DeterminismError) as raised:
+        with pytest.raises(DeterminismFailure) as raised:
             autograd_determinism(Gather(), torch.randn(200_000, 64, device=gpu), runs=5)
     finally:
         torch.use_deterministic_algorithms(True)

@@ -1,7 +1,8 @@
-"""The call every check makes: ``model_or_function(*inputs, **forward_kwargs)``, checked.
+"""The call every check makes: ``model_or_fn(*inputs, **forward_kwargs)``, checked.
 
-All checks take ``(model_or_function, /, *inputs, forward_kwargs=None, <options>)``.
-This module holds what they share about that call:
+The checks take ``(model_or_fn, /, *inputs, forward_kwargs=None, <options>)``;
+``training_check`` takes ``(model_or_fn, batch, /, loss_fn, *, forward_kwargs=None,
+<options>)``, its inputs in the batch. This module holds what they share about that call:
 
 - :func:`reject_unknown_keywords`, :func:`forward_kwargs_of` and :func:`input_sets`:
   keyword arguments of the forward travel only in ``forward_kwargs``, so a forward

@@ -1,6 +1,6 @@
 """The model or function a check runs, its inputs by name, and the state every run starts from.
 
-A :class:`Subject` is built once per check from ``model_or_function``, the positional
+A :class:`Subject` is built once per check from ``model_or_fn``, the positional
 inputs and ``forward_kwargs``. It finds the modules the callable reaches
 (:func:`.calls.reached_modules`), their trainable parameters (what gradients are
 taken for) and their buffers, names the inputs as the forward does
