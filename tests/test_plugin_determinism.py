@@ -688,6 +688,14 @@ def test_not_callable(autograd_determinism):
     )
 
 
+def test_cross_process_not_a_flag(autograd_determinism):
+    with pytest.raises(TypeError) as raised:
+        autograd_determinism(torch.sin, torch.ones(2), cross_process=1)
+    assert str(raised.value) == (
+        "autograd_determinism: cross_process=1 is not allowed: expected True or False"
+    )
+
+
 @pytest.mark.parametrize("deadline", [0, -1.0, float("inf")])
 def test_child_deadline(autograd_determinism, deadline):
     with pytest.raises(ValueError) as raised:
@@ -699,7 +707,7 @@ def test_child_deadline(autograd_determinism, deadline):
 
 
 def test_bad_arguments_are_named(plugin_pytester: pytest.Pytester) -> None:
-    run_session(plugin_pytester, BAD_ARGUMENTS).assert_outcomes(passed=7)
+    run_session(plugin_pytester, BAD_ARGUMENTS).assert_outcomes(passed=8)
 
 
 CALLING_CONVENTION = """
