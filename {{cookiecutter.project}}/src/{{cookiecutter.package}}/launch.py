@@ -53,6 +53,7 @@ from pathlib import Path
 
 from . import _checkpoint
 from ._command import command_name
+from ._files import filesystem_type
 from .train import UsageError, non_negative_int, positive_int
 from .train import build_parser as build_train_parser
 
@@ -364,29 +365,6 @@ def submit(job: SlurmJob, script: str) -> Submitted:
             raise SubmitError(f"{error}; job {job_id} cancelled") from None
         raise
     return Submitted(job_id, run_dir, script_path)
-
-
-def filesystem_type(path: Path) -> str | None:
-    """The type of the filesystem ``path`` (or its nearest existing folder) is on."""
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    target = os.path.realpath(existing)
-    best, kind = "", None
-    try:
-        with open("/proc/self/mounts") as mounts:
-            for line in mounts:
-                fields = line.split()
-                if len(fields) < 3:
-                    continue
-                # Spaces, tabs and newlines in mount points are written as octal escapes.
-                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1])
-                inside = target == point or target.startswith(point.rstrip("/") + "/")
-                if inside and len(point) >= len(best):
-                    best, kind = point, fields[2]
-    except OSError:
-        return None
-    return kind
 
 
 def cluster_hosts(partition: str | None) -> set[str] | None:
