@@ -380,6 +380,10 @@ def test_one_step(ddp_check):
     ddp_check(seeded(PerSampleNet), batch(), batch(), steps=1)
 
 
+def test_a_temp_root_that_is_no_folder(ddp_check):
+    ddp_check(seeded(PerSampleNet), batch(), batch(), temp_root="no/such/folder")
+
+
 def test_spawned_ranks_of_a_lambda(ddp_check):
     model = seeded(PerSampleNet)
     ddp_check(lambda x: model(x), batch(), batch(), start_method="spawn")
@@ -439,6 +443,9 @@ EXPECTED_FAILURES = {
     "test_one_step": [
         "E*ValueError: ddp_check: steps must be a whole number >= 2 (DDP reports a reduction left "
         "unfinished at the next step), got 1",
+    ],
+    "test_a_temp_root_that_is_no_folder": [
+        "E*ValueError: ddp_check: temp_root must be an existing folder, got 'no/such/folder'",
     ],
     "test_spawned_ranks_of_a_lambda": [
         "E*TypeError: ddp_check: start_method='spawn': the model, inputs, loss_fn and optimizer "
