@@ -9,6 +9,7 @@ nothing written.
 from __future__ import annotations
 
 import importlib
+import os
 import shutil
 import socket
 import subprocess
@@ -23,9 +24,23 @@ PROG = f"python -m {LAUNCH} slurm"
 SHELLCHECK = Path(sys.executable).parent / "shellcheck"
 
 
+CLUSTER = "tests"
+
+
 @pytest.fixture
-def launch(default_project: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    """The launch module, imported from the default project, run from an empty folder."""
+def launch(
+    default_project: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+):
+    """The launch module, imported from the default project, run from an empty folder,
+    with an ``scontrol`` on PATH that answers ``show config`` as cluster `CLUSTER` does."""
+    client = tmp_path_factory.mktemp("slurm-client")
+    scontrol = client / "scontrol"
+    scontrol.write_text(f"#!/bin/sh\necho 'ClusterName             = {CLUSTER}'\n")
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{client}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.syspath_prepend(str(default_project / "src"))
     monkeypatch.chdir(tmp_path)
     return importlib.import_module(LAUNCH)
@@ -71,11 +86,11 @@ def test_gpu_job_script(launch, capsys, tmp_path: Path) -> None:
         "#SBATCH --qos=high",
         "#SBATCH --requeue",
         "#SBATCH --signal=B:USR1@120",
-        f"#SBATCH --output={tmp_path}/runs/slurm-%j/slurm-%j.out",
+        f"#SBATCH --output={tmp_path}/runs/slurm-{CLUSTER}-%j/slurm-%j.out",
         "#SBATCH --open-mode=append",
     ]
     assert f"cd {tmp_path}" in lines
-    assert f'run_dir={tmp_path}/runs/slurm-"$SLURM_JOB_ID"' in lines
+    assert f'run_dir={tmp_path}/runs/slurm-{CLUSTER}-"$SLURM_JOB_ID"' in lines
     assert "export OMP_NUM_THREADS=8  # --cpus-per-task 32 shared by 4 process(es)" in lines
     command = script.split("\nsrun ", 1)[1].split(" &\n", 1)[0].replace("\\\n", " ").split()
     assert command == [
