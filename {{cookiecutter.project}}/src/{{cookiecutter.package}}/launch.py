@@ -149,7 +149,9 @@ class SlurmJob:
         return self.workdir / "runs" if self.run_dir is None else self.run_dir.parent
 
     def run_dir_of(self, job_id: int) -> Path:
-        return self.runs / f"slurm-{self.cluster}-{job_id}" if self.run_dir is None else self.run_dir
+        return (
+            self.runs / f"slurm-{self.cluster}-{job_id}" if self.run_dir is None else self.run_dir
+        )
 
     @property
     def requeue_grace(self) -> int:
@@ -301,8 +303,7 @@ def render_script(job: SlurmJob, *, written: datetime | None = None) -> str:
         ' $SLURM_JOB_NODELIST at $(date -Is); run folder $run_dir"',
         OWNED + STOPPING + RENDEZVOUS.rstrip("\n"),
         "# How long torchrun lets its processes checkpoint after passing SIGTERM on.",
-        "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT="
-        f"{max(job.requeue_grace, TORCHRUN_SHUTDOWN_S)}",
+        f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={max(job.requeue_grace, TORCHRUN_SHUTDOWN_S)}",
     ]
     if job.cpus_per_task:
         threads = max(1, job.cpus_per_task // job.nproc_per_node)
