@@ -2,13 +2,17 @@
 
     <project>-launch slurm --nodes 2 --gpus-per-node 4 --time 24:00:00 -- --epochs 100
     <project>-launch slurm --nodes 2 --gpus-per-node 4 --dry-run -- --epochs 100
-    <project>-launch slurm --run-dir runs/slurm-1234 --time 24:00:00   # a new job for that run
+    <project>-launch slurm --run-dir runs/slurm-hpc-1234 --time 24:00:00   # a new job for that run
 
 ``slurm`` writes a batch script and submits it with ``sbatch``; ``--dry-run`` prints
 the script and writes and submits nothing. Everything after ``--`` goes to ``train``
 (checked by train's own parser first). The job's run folder is
-``runs/slurm-<job id>`` (or ``--run-dir``): the script, ``slurm-<job id>.out`` (the
-log of every attempt of the job, appended), ``metrics.csv`` and ``latest.pt``.
+``runs/slurm-<cluster>-<job id>`` (or ``--run-dir``): the script, ``slurm-<job id>.out``
+(the log of every attempt of the job, appended), ``metrics.csv``, ``latest.pt`` and
+`OWNER`, whose token names the submission that owns the folder. Job ids repeat (a
+reset of SLURM's state, ``MaxJobId``), so a new job never takes over a folder: one
+whose folder exists is cancelled at submission, and an attempt that does not find its
+token in the folder (a newer job took it over with ``--run-dir``) cancels itself.
 
 In the job, ``srun`` starts one ``torchrun`` per node; the ``torchrun`` agents meet
 (c10d rendezvous) on the first node of ``scontrol show hostnames``, each starts one
@@ -27,11 +31,16 @@ How a job stops and comes back (checked on SLURM 22.05 and torch's ``torchrun``)
 - ``--requeue``: a preempted job (``PreemptMode=REQUEUE``) or one on a failed node
   goes back to the queue under the same job id, so it finds the same run folder.
   SLURM holds a requeued job back for ``cred_expire`` + 1 seconds (121 s by default).
-- ``--signal=B:USR1@SECONDS``: that long before the time limit SLURM sends SIGUSR1
-  to the batch shell alone, whose trap runs ``scontrol requeue``: the job then stops
-  the way a preempted one does and comes back. SIGUSR1 is not sent to the job's
-  processes (no ``B:``) because ``torchrun`` does not forward it by default: it dies
-  of it, and ``srun`` then kills its training processes at once.
+- ``--signal=B:USR1@SECONDS``: that long before the time limit (up to 60 s more)
+  SLURM sends SIGUSR1 to the batch shell alone. Its trap sends SIGCONT and SIGTERM to
+  the job's steps (``scancel --signal``, which spares the batch shell), waits for
+  ``srun`` to end, at most SECONDS - `REQUEUE_MARGIN_S`, and only then runs ``scontrol
+  requeue``, so the checkpoint is not cut off by the requeue's SIGKILL (once one
+  node's ``torchrun`` has exited, ``srun --kill-on-bad-exit`` still gives the other
+  nodes ``KillWait``; torchrun's own wait is raised to match). SIGUSR1
+  is not sent to the job's processes (no ``B:``) because ``torchrun`` does not
+  forward it by default: it dies of it, and ``srun`` then kills its training
+  processes at once.
 """
 
 from __future__ import annotations
