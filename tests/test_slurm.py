@@ -7,8 +7,12 @@ whose folder name holds shell and sbatch syntax (``$(...)``, backquotes, quotes,
 (`at_step`); the test then runs ``scontrol requeue``, which sends every process of
 the job SIGCONT and SIGTERM and puts it back in the queue under the same id. The
 second attempt must find the same run folder, resume from its checkpoint, and end
-bitwise equal to an uninterrupted 2-process run. Another job of the same kind is ended
-by ``scancel --signal=TERM`` and must keep the checkpoint of the step it stopped at.
+bitwise equal to an uninterrupted 2-process run; near the time limit (SIGUSR1 to the
+batch shell, from scancel or from SLURM at a real 3-minute limit) train must have
+stopped before the job is requeued. Another job of the same kind is ended by
+``scancel --signal=TERM`` and must keep the checkpoint of the step it stopped at.
+Without training: a job id whose run folder exists, a --run-dir taken over by a newer
+job, ``sbatch`` wrappers that add a line or print no id, a refused ``scontrol release``.
 """
 
 from __future__ import annotations
@@ -452,3 +456,37 @@ def test_sbatch_answers_with_more_than_the_job_id(
     assert len(held) == 2, held
     assert held[1] == "JobHeldUser", held
     cluster.run("scancel", held[0])
+
+
+def test_a_job_that_cannot_be_released_is_cancelled_and_its_folder_removed(
+    cluster, default_project: Path, tmp_path: Path
+) -> None:
+    """``scontrol release`` refused after the run folder was made and the script moved
+    in: the held job is cancelled, and the run folder and ``runs`` made for it removed."""
+    folder = tmp_path / "refusing"
+    folder.mkdir()
+    real = shutil.which("scontrol")
+    assert real is not None
+    scontrol = folder / "scontrol"
+    scontrol.write_text(
+        '#!/bin/sh\nif [ "$1" = release ]; then\n'
+        '    echo "Access/permission denied for job $2" >&2\n    exit 1\nfi\n'
+        f'exec {shlex.quote(real)} "$@"\n'
+    )
+    scontrol.chmod(0o755)
+    work = tmp_path / "work"
+    work.mkdir()
+    refused = run_module(
+        default_project, LAUNCH, "slurm", "--gpus-per-node", "0",
+        env=launch_env(cluster, default_project, folder), cwd=work,
+    )  # fmt: skip
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    match = re.fullmatch(
+        rf"python -m {LAUNCH} slurm: error: scontrol release (\d+) failed: Access/permission "
+        r"denied for job (\d+); job (\d+) cancelled\n",
+        refused.stderr,
+    )
+    assert match is not None, refused.stderr
+    assert len(set(match.groups())) == 1, refused.stderr
+    assert cluster.job_state(int(match[1])) == "CANCELLED"
+    assert list(work.iterdir()) == []

@@ -458,7 +458,8 @@ def submit(job: SlurmJob, script: str) -> Submitted:
             made.append(run_dir)
         script_path = run_dir / f"slurm-{job_id}{SCRIPT_SUFFIX}"
         os.replace(temporary, script_path)
-        made[made.index(Path(temporary))] = script_path
+        made.remove(Path(temporary))
+        made.append(script_path)
         if earlier_owner is None:
             made.append(run_dir / OWNER)
         (run_dir / OWNER).write_text(owner_text(job, job_id))
