@@ -35,9 +35,10 @@ How a job stops and comes back (checked on SLURM 22.05 and torch's ``torchrun``)
   SLURM sends SIGUSR1 to the batch shell alone. Its trap sends SIGCONT and SIGTERM to
   the job's steps (``scancel --signal``, which spares the batch shell), waits for
   ``srun`` to end, at most SECONDS - `REQUEUE_MARGIN_S`, and only then runs ``scontrol
-  requeue``, so the checkpoint is not cut off by the requeue's SIGKILL (once one
-  node's ``torchrun`` has exited, ``srun --kill-on-bad-exit`` still gives the other
-  nodes ``KillWait``; torchrun's own wait is raised to match). SIGUSR1
+  requeue``, so the checkpoint is not cut off by the requeue's SIGKILL (train's
+  processes all wait for rank 0's checkpoint before exiting, so no node's ``torchrun``
+  ends first and ``srun --kill-on-bad-exit`` does not cut it short; torchrun's own
+  wait is raised to match). SIGUSR1
   is not sent to the job's processes (no ``B:``) because ``torchrun`` does not
   forward it by default: it dies of it, and ``srun`` then kills its training
   processes at once.
