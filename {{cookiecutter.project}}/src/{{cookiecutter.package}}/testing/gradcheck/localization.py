@@ -11,11 +11,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from ..control_flow import UNKNOWN_LOCATION
 from ..naming import element_name
 from ..parts import FunctionCall, ModuleCall, Parts, record_parts
+from ..trees import leaves
 from .problem import Problem, hook_name
 from .results import ErrorSource, SourceKind, WrongGradient
 from .screen import DIAGNOSIS_FLOOR, Check
@@ -311,8 +311,7 @@ def _parameter_ids(module: nn.Module) -> set[int]:
 def _differentiable(args: tuple, kwargs: dict) -> bool:
     """Whether a tensor that requires grad is among the arguments."""
     return any(
-        isinstance(leaf, torch.Tensor) and leaf.requires_grad
-        for leaf in pytree.tree_leaves((args, kwargs))
+        isinstance(leaf, torch.Tensor) and leaf.requires_grad for leaf in leaves((args, kwargs))
     )
 
 

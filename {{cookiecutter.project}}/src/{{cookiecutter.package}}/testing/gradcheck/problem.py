@@ -15,16 +15,17 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils import _pytree as pytree
 
-from ..calls import reached_modules, reentrant_checkpoint, reject_data_less
+from ..calls import reentrant_checkpoint
 from ..comparison import bitwise_equal
 from ..control_flow import UNKNOWN_LOCATION, Location, display_path, probing, user_location
 from ..failures import quoted, raised
 from ..float64 import CannotStayFloat64, Float64Mode, Narrowing, Widening, writes
-from ..naming import describe_callable, element_name, input_names
+from ..naming import describe_callable, element_name, op_name
 from ..parts import State, definition
-from ..trees import named_leaves
+from ..subject import Slot, Subject
+from ..trees import flatten_arguments, named_leaves
+from ..trees import leaves as tree_leaves
 from .results import GradcheckFailure
 from .weights import EVALUATION_SEED
 
@@ -93,15 +94,6 @@ class NoFloatingOutput(TypeError):
     """Raised inside torch's check; re-raised as a plain TypeError without torch's frames."""
 
 
-@dataclass(frozen=True)
-class _Place:
-    """Where a module keeps a parameter or buffer (``owner[key]``), and the user's tensor."""
-
-    owner: dict[str, Any]
-    key: str
-    tensor: torch.Tensor
-
-
 class Problem:
     """``model_or_function`` as a function of the checked float64 tensors.
 
@@ -116,7 +108,10 @@ class Problem:
         self.function = function
         self.inputs, self.kwargs = inputs, kwargs
         self.description = describe_callable(function)
-        self.roots = reached_modules(function)
+        # The modules reached, their parameters and buffers, the inputs' names; data-less
+        # tensors refused.
+        self.subject = Subject(function, inputs, kwargs, failure=GradcheckFailure)
+        self.roots = self.subject.roots
         self.checked: list[Checked] = []
         self._input_slots: list[tuple[int, int]] = []
         self.output_names: list[str] | None = None
@@ -135,7 +130,7 @@ class Problem:
         integer_inputs: list[str] = []
 
         self._positional = len(inputs)
-        names = input_names(function, len(inputs))
+        names = self.subject.input_names
         if all(type(value) in _LEAVES for value in (*inputs, *kwargs.values())):
             # Flat arguments (the common case): what pytree would find, without its cost.
             self._keywords: list[str] | None = list(kwargs)
@@ -144,23 +139,14 @@ class Problem:
                 *((f"input {key}", value) for key, value in kwargs.items()),
             ]
         else:
-            paths_and_leaves, self._spec = pytree.tree_flatten_with_path((inputs, kwargs))
-            flat = all(len(path) == 2 for path, _ in paths_and_leaves)
-            flat = flat and len(paths_and_leaves) == len(inputs) + len(kwargs)
-            self._keywords = list(kwargs) if flat else None
+            self._flat = flatten_arguments(inputs, kwargs, names)
+            self._keywords = list(kwargs) if self._flat.top_level else None
             named_leaves = [
-                ("input " + _input_name(path, names), leaf) for path, leaf in paths_and_leaves
+                (f"input {name}", leaf)
+                for name, leaf in zip(self._flat.names, self._flat.leaves, strict=True)
             ]
-        named_parameters = self._named("_parameters")
-        named_buffers = self._named("_buffers")
-        reject_data_less(
-            "gradcheck",
-            [
-                *((n, t) for n, t in named_leaves if isinstance(t, torch.Tensor)),
-                *((f"parameter {n}", t) for n, t in named_parameters),
-                *((f"buffer {n}", t) for n, t in named_buffers),
-            ],
-        )
+        named_parameters = _named(self.subject.parameter_slots)
+        named_buffers = _named(self.subject.buffer_slots)
         self._leaves: list[Any] = []
         self._states: list[int] = []  # positions of the parts' state objects (parts.State)
         for position, (name, leaf) in enumerate(named_leaves):
@@ -201,7 +187,8 @@ class Problem:
             for _, buffer in named_buffers
         }
         self._buffer_names = {id(buffer): name for name, buffer in named_buffers}
-        self._parameter_places, self._buffer_places = self._places()
+        self._parameter_places = _places(self.subject.parameter_slots)
+        self._buffer_places = _places(self.subject.buffer_slots)
         if not self.checked:
             raise ValueError(self._nothing_to_check(params, integer_inputs))
         self.generators = _generators(
@@ -217,12 +204,6 @@ class Problem:
         self.held_buffers: tuple[str, ...] = ()
         self._held: list[torch.Tensor | None] | None = None
 
-    def _modules(self) -> Iterator[tuple[str, nn.Module]]:
-        """Every module reached, by its full name, shared ones under each of their names."""
-        for prefix, root in self.roots:
-            for name, module in root.named_modules(remove_duplicate=False):
-                yield _joined(prefix, name), module
-
     def user_parameters(self) -> list[torch.Tensor]:
         """The user's parameter tensors whose gradients are checked."""
         return [
@@ -234,37 +215,16 @@ class Problem:
     def module_names(self) -> dict[int, str]:
         """The name of each module reached (its first name), by id."""
         names: dict[int, str] = {}
-        for name, module in self._modules():
+        for name, module in self.subject.named_modules():
             names.setdefault(id(module), name)
         return names
-
-    def _named(self, kind: str) -> list[tuple[str, torch.Tensor]]:
-        """Each tensor in the ``kind`` dict (``_parameters``, ``_buffers``) of the modules, once."""
-        found: dict[int, tuple[str, torch.Tensor]] = {}
-        for prefix, module in self._modules():
-            for key, tensor in getattr(module, kind).items():
-                if tensor is not None and id(tensor) not in found:
-                    found[id(tensor)] = (_joined(prefix, key), tensor)
-        return list(found.values())
-
-    def _places(self) -> tuple[list[_Place], list[_Place]]:
-        parameters: list[_Place] = []
-        buffers: list[_Place] = []
-        seen: set[int] = set()
-        for _, module in self._modules():
-            if id(module) in seen:
-                continue
-            seen.add(id(module))
-            for places, tensors in ((parameters, module._parameters), (buffers, module._buffers)):
-                places.extend(_Place(tensors, k, t) for k, t in tensors.items() if t is not None)
-        return parameters, buffers
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
         """Float64 everywhere for the block: default dtype, widening mode, module tensors."""
         attributes = [
             (module, {k: v for k, v in vars(module).items() if isinstance(v, torch.Tensor)})
-            for module in {id(m): m for _, m in self._modules()}.values()
+            for module in {id(m): m for _, m in self.subject.named_modules()}.values()
         ]
         default_dtype = torch.get_default_dtype()
         try:
@@ -273,7 +233,7 @@ class Problem:
         finally:
             torch.set_default_dtype(default_dtype)
             for place in (*self._parameter_places, *self._buffer_places):
-                place.owner[place.key] = place.tensor
+                place.put_back()
             for module, saved in attributes:
                 for key in [k for k, v in vars(module).items() if isinstance(v, torch.Tensor)]:
                     if key not in saved:
@@ -337,7 +297,7 @@ class Problem:
         for position in self._states:
             leaves[position] = leaves[position].fresh()
         if self._keywords is None:
-            args, kwargs = pytree.tree_unflatten(leaves, self._spec)
+            args, kwargs = self._flat.rebuild(leaves)
         else:  # flat arguments: what tree_unflatten would build, without its cost
             args = tuple(leaves[: self._positional])
             kwargs = dict(zip(self._keywords, leaves[self._positional :], strict=True))
@@ -548,7 +508,7 @@ class Problem:
     def module_hooks(self) -> list[str]:
         """``name: hook (file:line)`` for each backward hook on a module reached."""
         found = []
-        for name, module in self._modules():
+        for name, module in self.subject.named_modules():
             for hooks in (module._backward_hooks, module._backward_pre_hooks):
                 found.extend(f"{name or 'the model'}: {hook_name(h)}" for h in hooks.values())
         return found
@@ -597,9 +557,7 @@ class _FailingOp(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        leaves = [
-            leaf for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)
-        ]
+        leaves = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
         sources = [self.sources[id(leaf)] for leaf in leaves if id(leaf) in self.sources]
         try:
             result = func(*args, **kwargs)
@@ -607,25 +565,16 @@ class _FailingOp(TorchFunctionMode):
             if sources and self.found is None:
                 dtype = next(leaf.dtype for leaf in leaves if id(leaf) in self.sources)
                 location = user_location(sys._getframe(1)) or UNKNOWN_LOCATION
-                self.found = (_op_name(func), sources[0], dtype, location)
+                self.found = (op_name(func), sources[0], dtype, location)
             raise
         if sources:
-            for leaf in pytree.tree_leaves(result):
+            for leaf in tree_leaves(result):
                 if isinstance(leaf, torch.Tensor) and not (
                     leaf.is_floating_point() or leaf.is_complex()
                 ):
                     self.sources[id(leaf)] = sources[0]
                     self.keep.append(leaf)
         return result
-
-
-def _op_name(func: Any) -> str:
-    owner = getattr(func, "__objclass__", None)
-    name = getattr(func, "__name__", repr(func))
-    if owner is not None and issubclass(torch.Tensor, owner):
-        return f"Tensor.{name}"
-    module = getattr(func, "__module__", "") or ""
-    return f"{module.replace('torch._C._nn', 'torch.nn.functional')}.{name}" if module else name
 
 
 class _BufferWrites(TorchFunctionMode):
@@ -746,8 +695,20 @@ def hook_name(hook: Any) -> str:
     return f"{name.replace('.<locals>', '')} ({where})"
 
 
-def _joined(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix and name else prefix or name
+def _named(slots: list[Slot]) -> list[tuple[str, torch.Tensor]]:
+    """Each tensor of the slots once, by its first name."""
+    found: dict[int, tuple[str, torch.Tensor]] = {}
+    for slot in slots:
+        found.setdefault(id(slot.tensor), (slot.name, slot.tensor))
+    return list(found.values())
+
+
+def _places(slots: list[Slot]) -> list[Slot]:
+    """Each place once: a module reached under several names keeps its tensors once."""
+    places: dict[tuple[int, str], Slot] = {}
+    for slot in slots:
+        places.setdefault((id(slot.owner), slot.key), slot)
+    return list(places.values())
 
 
 def _generators(tensors: list[torch.Tensor]) -> list[torch.Generator]:
@@ -766,16 +727,9 @@ def _generators(tensors: list[torch.Tensor]) -> list[torch.Generator]:
 def _describe_output(output: Any) -> str:
     if isinstance(output, torch.Tensor):
         return f"a {output.dtype} tensor"
-    leaves = pytree.tree_leaves(output)
+    leaves = tree_leaves(output)
     kinds = [
         f"{leaf.dtype} tensor" if isinstance(leaf, torch.Tensor) else type(leaf).__name__
         for leaf in leaves
     ]
     return f"{type(output).__name__} of [{', '.join(kinds)}]" if leaves else repr(output)
-
-
-def _input_name(path: tuple, positional: list[str]) -> str:
-    # Paths into ((args...), {kwargs}): (0, position, ...) or (1, name, ...).
-    group, key, rest = path[0], path[1], path[2:]
-    head = positional[key.idx] if group.idx == 0 else str(key.key)
-    return head + pytree.keystr(rest)
