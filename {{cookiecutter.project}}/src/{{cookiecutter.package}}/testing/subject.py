@@ -59,7 +59,10 @@ class Subject:
     ``failure`` is the check's own failure class: what the subject raises names the
     check that runs it. ``trains=True`` is for a check that changes the trainable
     parameters on purpose (optimizer steps): they are copied too, and :meth:`reset`
-    puts their values back.
+    puts their values back. ``restores=False`` is for a check that never runs the model
+    on the user's own tensors (gradcheck installs float64 copies and puts the user's
+    tensors back itself): no starting values are copied and no RNG states taken, so
+    :meth:`reset` and :meth:`changed_buffers` are not for it.
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class Subject:
         *,
         failure: type[CheckFailure],
         trains: bool = False,
+        restores: bool = True,
     ) -> None:
         __tracebackhide__ = True
         self.target = target
@@ -102,9 +106,8 @@ class Subject:
                     name = f"{prefix}.{key}" if prefix else key
                     if id(tensor) not in copies:
                         trainable = isinstance(tensor, nn.Parameter) and tensor.requires_grad
-                        copies[id(tensor)] = (
-                            None if trainable and not trains else tensor.detach().clone()
-                        )
+                        copied = restores and (trains or not trainable)
+                        copies[id(tensor)] = tensor.detach().clone() if copied else None
                         if trainable:
                             self.parameters.append((name, tensor))
                     slots.append(Slot(tensors, key, name, tensor, copies[id(tensor)]))
@@ -122,11 +125,11 @@ class Subject:
         )
         self.graph_checked = False
         self._versions = [slot.tensor._version for slot in self.parameter_slots]
-        self._rngs = global_state.rng_states()
+        self._rngs = global_state.rng_states() if restores else ()
         self._ran = False  # whether a run may have changed the state since the last reset
         self._differentiate_all_inputs = not self.parameters and not any(
             isinstance(t, torch.Tensor) and t.requires_grad
-            for _, t in named_leaves((args, kwargs), "")
+            for _, t in self.named_inputs(args, kwargs)
         )
 
     def named_modules(self) -> list[tuple[str, nn.Module]]:

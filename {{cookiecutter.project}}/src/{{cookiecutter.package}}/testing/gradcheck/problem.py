@@ -109,8 +109,8 @@ class Problem:
         self.inputs, self.kwargs = inputs, kwargs
         self.description = describe_callable(function)
         # The modules reached, their parameters and buffers, the inputs' names; data-less
-        # tensors refused.
-        self.subject = Subject(function, inputs, kwargs, failure=GradcheckFailure)
+        # tensors refused. It restores nothing: installed() puts the user's tensors back.
+        self.subject = Subject(function, inputs, kwargs, failure=GradcheckFailure, restores=False)
         self.roots = self.subject.roots
         self.checked: list[Checked] = []
         self._input_slots: list[tuple[int, int]] = []
