@@ -5,7 +5,9 @@
   ``inspect.signature`` finds one, else ``inputs[i]`` (nested inputs then add their
   pytree path, ``x[0]['mask']``: see :mod:`.trees`);
 - :func:`element_name`: ``x[2, 3]``, ``parameter encoder.weight[0, 1]``, or the name
-  alone for a tensor of one element.
+  alone for a tensor of one element;
+- :func:`op_name`: a torch function as the user calls it, ``Tensor.add``,
+  ``torch.nn.functional.linear``.
 """
 
 from __future__ import annotations
@@ -15,9 +17,10 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
-__all__ = ["describe_callable", "element_name", "input_names"]
+__all__ = ["describe_callable", "element_name", "input_names", "op_name"]
 
 
 def describe_callable(function: Any) -> str:
@@ -36,6 +39,17 @@ def describe_callable(function: Any) -> str:
 def element_name(name: str, index: Sequence[int]) -> str:
     """``name[i, j]``; ``name`` itself for a 0-dimensional tensor."""
     return f"{name}[{', '.join(map(str, index))}]" if len(index) else name
+
+
+def op_name(func: Any) -> str:
+    """A torch function as the user calls it: ``Tensor.add`` for a method, the module and
+    name otherwise (``torch._C._nn``'s functions under ``torch.nn.functional``)."""
+    owner = getattr(func, "__objclass__", None)
+    name = getattr(func, "__name__", repr(func))
+    if owner is not None and issubclass(torch.Tensor, owner):
+        return f"Tensor.{name}"
+    module = getattr(func, "__module__", "") or ""
+    return f"{module.replace('torch._C._nn', 'torch.nn.functional')}.{name}" if module else name
 
 
 def input_names(function: Callable[..., Any], count: int) -> list[str]:
