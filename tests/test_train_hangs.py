@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from conftest import module_environment
 from training import (
+    AFTER_STEP,
     SMALL,
     TRAIN,
     assert_bitwise_equal,
@@ -44,27 +45,6 @@ ENDS_WITHIN_S = 60
 # A process killed by PR_SET_PDEATHSIG disappears from /proc once its parent has reaped
 # it, which for an orphan is init: allow it a moment.
 GONE_WITHIN_S = 10
-
-FAULT_AT_STEP = """
-    import os
-
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    steps = 0
-
-
-    def after_step(optimizer, args, kwargs):
-        # RuntimeError in the $FAULT_STEP-th step of this process (of rank $FAULT_RANK).
-        global steps
-        steps += 1
-        if steps == int(os.environ["FAULT_STEP"]) and os.environ.get(
-            "RANK", "0"
-        ) == os.environ.get("FAULT_RANK", "0"):
-            raise RuntimeError("planted fault in the optimizer step")
-
-
-    register_optimizer_step_post_hook(after_step)
-"""
 
 NAN_AT_STEP = """
     import os
@@ -172,13 +152,15 @@ def test_an_error_in_training_ends_the_run_and_its_workers(
     """A forward/backward/step that raises ends the run (exit 1): its traceback, then one
     line naming the step and the error and the command that resumes from the last
     checkpoint; that command finishes the run bit for bit."""
-    faulty = plant(tmp_path / "faulty", FAULT_AT_STEP)
+    faulty = plant(tmp_path / "faulty", AFTER_STEP)
     run = tmp_path / "run"
+    environ = module_environment(
+        default_project, path=(faulty,), AFTER_STEP=str(step), AFTER_STEP_DO="raise"
+    )
     result = subprocess.run(
         [sys.executable, "-m", TRAIN, *SMALL, "--epochs", "3", "--workers", workers,
          "--checkpoint-every", "8", "--run-dir", str(run)],
-        env=module_environment(default_project, path=(faulty,), FAULT_STEP=str(step)),
-        capture_output=True, text=True, timeout=ENDS_WITHIN_S,
+        env=environ, capture_output=True, text=True, timeout=ENDS_WITHIN_S,
     )  # fmt: skip
     assert result.returncode == 1, result.stderr
     lines = result.stderr.splitlines()
@@ -264,11 +246,11 @@ def test_an_error_in_one_torchrun_process_ends_every_process(
     """Rank 1 raises at a random step while rank 0 waits for it in the gradient
     all-reduce: both end (torchrun exits 1), rank 1 with its traceback and line, rank 0
     with one line saying that another process ended first."""
-    faulty = plant(tmp_path / "faulty", FAULT_AT_STEP)
+    faulty = plant(tmp_path / "faulty", AFTER_STEP)
     run = tmp_path / "run"
     result = torchrun(
         default_project, *SMALL, "--epochs", "3", "--workers", workers, "--run-dir", str(run),
-        path=(faulty,), FAULT_STEP=str(step), FAULT_RANK="1",
+        path=(faulty,), AFTER_STEP=str(step), AFTER_STEP_DO="raise", AFTER_STEP_RANK="1",
     )  # fmt: skip
     assert result.returncode == 1, result.stderr
     errors = [line for line in result.stderr.splitlines() if line.startswith(PREFIX)]

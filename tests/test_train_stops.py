@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from conftest import module_environment, run_module
 from training import (
+    AFTER_STEP,
     EPOCHS,
     SMALL,
     TRAIN,
@@ -42,29 +43,6 @@ from training import (
 
 STEPS = 32  # an epoch of SMALL
 
-SIGNAL_AFTER_STEP = """
-    import os
-    import signal
-
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    steps = 0
-
-
-    def after_step(optimizer, args, kwargs):
-        # $SIGNAL to this process after its $SIGNAL_AFTER_STEP-th step (in the process of
-        # rank $SIGNAL_RANK under torchrun).
-        global steps
-        steps += 1
-        if steps == int(os.environ["SIGNAL_AFTER_STEP"]) and os.environ.get(
-            "RANK", "0"
-        ) == os.environ.get("SIGNAL_RANK", "0"):
-            os.kill(os.getpid(), getattr(signal, os.environ["SIGNAL"]))
-
-
-    register_optimizer_step_post_hook(after_step)
-"""
-
 # Then, while torch.save writes the checkpoint of the stop, a SIGTERM and a SIGINT after
 # every chunk it writes.
 SIGNALS_DURING_THE_WRITE = """
@@ -74,7 +52,7 @@ SIGNALS_DURING_THE_WRITE = """
 
 
     def save(obj, file, *args, **kwargs):
-        if steps >= int(os.environ["SIGNAL_AFTER_STEP"]):
+        if steps >= int(os.environ["AFTER_STEP"]):
             write = file.write
 
             def write_and_signal(data):
@@ -119,9 +97,9 @@ def test_stopped_by_a_signal_then_resumed_is_bitwise_equal(
 ) -> None:
     run = tmp_path / "run"
     args = (*SMALL, "--epochs", EPOCHS, "--workers", workers, "--run-dir", str(run))
-    stopper = plant(tmp_path / "plant", SIGNAL_AFTER_STEP)
+    stopper = plant(tmp_path / "plant", AFTER_STEP)
     environ = module_environment(
-        default_project, path=(stopper,), SIGNAL=name, SIGNAL_AFTER_STEP=str(after)
+        default_project, path=(stopper,), AFTER_STEP_DO=name, AFTER_STEP=str(after)
     )
     stopped = train(default_project, *args, env=environ)
     assert stopped.returncode == 128 + getattr(signal, name), stopped.stderr
@@ -153,9 +131,9 @@ def test_signals_during_the_checkpoint_write_change_nothing(
     writes of that step's checkpoint: the first signal stands, the checkpoint is whole."""
     run = tmp_path / "run"
     args = (*SMALL, "--epochs", EPOCHS, "--run-dir", str(run))
-    stopper = plant(tmp_path / "plant", SIGNAL_AFTER_STEP + SIGNALS_DURING_THE_WRITE)
+    stopper = plant(tmp_path / "plant", AFTER_STEP + SIGNALS_DURING_THE_WRITE)
     environ = module_environment(
-        default_project, path=(stopper,), SIGNAL="SIGTERM", SIGNAL_AFTER_STEP="40"
+        default_project, path=(stopper,), AFTER_STEP_DO="SIGTERM", AFTER_STEP="40"
     )
     stopped = train(default_project, *args, env=environ)
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr
@@ -203,10 +181,10 @@ def test_torchrun_processes_stop_at_the_same_step(default_project: Path, tmp_pat
     assert result.returncode == 0, result.stderr
 
     # SIGUSR1 to rank 1 alone, after its step 5: both stop after step 6 of 8.
-    stopper = plant(tmp_path / "stopper", SIGNAL_AFTER_STEP)
+    stopper = plant(tmp_path / "stopper", AFTER_STEP)
     stopped = torchrun(
         default_project, *args, "--run-dir", str(alone), path=(stopper,),
-        SIGNAL="SIGUSR1", SIGNAL_AFTER_STEP="5", SIGNAL_RANK="1",
+        AFTER_STEP_DO="SIGUSR1", AFTER_STEP="5", AFTER_STEP_RANK="1",
     )  # fmt: skip
     assert stopped.returncode != 0  # torchrun reports its processes' 138 as a failure
     assert f"stopped by SIGUSR1 at epoch 1, step 6/8 (step 6 of the run); checkpoint {alone}" in (

@@ -20,6 +20,33 @@ SMALL = ("--device", "cpu", "--samples", "1024", "--batch-size", "32")
 EPOCHS = "3"
 
 
+# A ``sitecustomize`` (see `plant`): after this process's $AFTER_STEP-th optimizer step
+# (in the process of rank $AFTER_STEP_RANK under torchrun, default 0), $AFTER_STEP_DO:
+# a signal's name, sent to this process, or ``raise``, a RuntimeError from the step.
+AFTER_STEP = """
+    import os
+    import signal
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    steps = 0
+
+
+    def after_step(optimizer, args, kwargs):
+        global steps
+        steps += 1
+        if steps == int(os.environ["AFTER_STEP"]) and os.environ.get(
+            "RANK", "0"
+        ) == os.environ.get("AFTER_STEP_RANK", "0"):
+            if os.environ["AFTER_STEP_DO"] == "raise":
+                raise RuntimeError("planted fault in the optimizer step")
+            os.kill(os.getpid(), getattr(signal, os.environ["AFTER_STEP_DO"]))
+
+
+    register_optimizer_step_post_hook(after_step)
+"""
+
+
 def train(project: Path, *args: str, env: dict[str, str] | None = None):
     return run_module(project, TRAIN, *args, env=env)
 
