@@ -241,7 +241,11 @@ def test_kill_during_checkpoint_write_leaves_latest_intact(
     assert resumed.stderr.splitlines()[0] == (
         f"removed {partial}, an incomplete checkpoint of a killed run"
     )
-    assert sorted(path.name for path in runs.iterdir()) == ["latest.pt", "metrics.csv"]
+    assert sorted(path.name for path in runs.iterdir()) == [
+        "latest.pt",
+        "metrics.csv",
+        "previous.pt",
+    ]
     assert_bitwise_equal(checkpoint(runs), checkpoint(reference))
     assert reproducible(metrics(runs)) == reproducible(metrics(reference))
 
@@ -262,7 +266,7 @@ def test_a_format_3_checkpoint_still_resumes(
     assert resumed.stdout.splitlines()[0] == (
         f"resumed {run} at epoch 2, step 8/32 (step 40 of the run)"
     )
-    assert checkpoint(run)["format"] == 4
+    assert checkpoint(run)["format"] == 5
     assert_bitwise_equal(checkpoint(run), checkpoint(reference))
 
 
@@ -410,11 +414,11 @@ def test_corrupt_checkpoint(train_module, capsys, finished_run: Path) -> None:
 def test_checkpoint_of_another_format_is_refused(train_module, capsys, finished_run: Path) -> None:
     latest = finished_run / "latest.pt"
     state = torch.load(latest, weights_only=True)
-    assert state["format"] == 4  # resumes are tested with this one (and format 3)
+    assert state["format"] == 5  # resumes are tested with this one (and formats 3, 4)
     torch.save({**state, "format": 2}, latest)
     assert usage_error(train_module, capsys, *resume(finished_run)) == (
         f"argument --resume: {latest} was written by another version of this training "
-        "command (checkpoint format 2; this one reads formats 3 and 4): start a new --run-dir"
+        "command (checkpoint format 2; this one reads formats 3, 4 and 5): start a new --run-dir"
     )
 
 

@@ -210,7 +210,8 @@ def test_a_checkpoint_without_its_run_entry(train_module, capsys, finished_run: 
     latest = finished_run / "latest.pt"
     state = torch.load(latest, weights_only=True)
     del state["run"]  # no tensor in it: the checksums still hold
-    torch.save(state, latest)
+    with latest.open("wb") as file:
+        train_module._checkpoint.write(state, file)  # with its digest, as train writes it
     assert usage_error(train_module, capsys, *resume(finished_run)) == (
         f"argument --resume: {latest} has no 'run' entry: it is not complete"
     )
@@ -223,7 +224,8 @@ def test_spoiled_random_generator_state(train_module, capsys, finished_run: Path
     latest = finished_run / "latest.pt"
     state = torch.load(latest, weights_only=True)
     state["processes"][0]["rng"]["python"]["words"][5] = -1
-    torch.save(state, latest)
+    with latest.open("wb") as file:
+        train_module._checkpoint.write(state, file)  # with its digest, as train writes it
     message = usage_error(train_module, capsys, *resume(finished_run))
     assert message.startswith(
         f"argument --resume: {latest} is damaged: tensor processes.0.rng.python.words does "

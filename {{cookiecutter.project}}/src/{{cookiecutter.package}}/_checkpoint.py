@@ -453,6 +453,13 @@ def _refuse_digest_mismatch(path: Path) -> NoReturn:
     raise _damaged(path, f"its bytes differ from the SHA-256 digest written with them ({where})")
 
 
+def _is_zip(path: Path) -> bool:
+    try:
+        return zipfile.is_zipfile(path)
+    except zipfile.BadZipFile:  # is_zipfile raises it for some damaged ends of an archive
+        return False
+
+
 def _first_damaged_entry(path: Path) -> str | None:
     """The first entry of the zip archive ``path`` that cannot be read or differs from the
     CRC-32 the archive holds for it; None when every one reads intact (or the archive's
@@ -598,7 +605,7 @@ def load(path: Path) -> TrainingState:
     are on the CPU. `CheckpointError` says what is wrong with it."""
     if not path.is_file():
         raise CheckpointError(f"{path} does not exist")
-    if not zipfile.is_zipfile(path):
+    if not _is_zip(path):
         raise _unreadable(path, "not the zip archive torch.save writes: cut short, or another file")
     try:
         digest = _digest.check(path)

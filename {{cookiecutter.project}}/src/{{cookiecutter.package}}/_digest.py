@@ -56,6 +56,8 @@ class _Sink(Protocol):
 
     def flush(self) -> None: ...
 
+    def fileno(self) -> int: ...
+
 
 class DigestWriter:
     """A binary file for ``torch.save`` that passes everything on to ``target`` (which
@@ -87,6 +89,9 @@ class DigestWriter:
 
     def flush(self) -> None:
         self._target.flush()
+
+    def fileno(self) -> int:  # for writers that fsync what they wrote
+        return self._target.fileno()
 
     def finish(self) -> None:
         """Write the comment's length and the comment (the digest of all the rest)."""
