@@ -156,10 +156,13 @@ class _Value:
     allowed: str
     test: Callable[[Any], bool] = lambda value: True
 
-    def admits(self, value: Any) -> bool:
+    def of_kind(self, value: Any) -> bool:
         if isinstance(value, bool) and bool not in self.kinds:
             return False
-        return isinstance(value, self.kinds) and self.test(value)
+        return isinstance(value, self.kinds)
+
+    def admits(self, value: Any) -> bool:
+        return self.of_kind(value) and self.test(value)
 
 
 @dataclass(frozen=True)
@@ -294,8 +297,7 @@ _LAYOUTS = {
 
 
 def _to_dict(state: TrainingState) -> dict[str, Any]:
-    """The checkpoint as saved: plain entries, every tensor on the CPU, and their checksums
-    (one walk over the entries: the checkpoint is written in the training loop)."""
+    """The checkpoint's entries as saved: plain values, every tensor on the CPU."""
     position = state.position
     entries = {
         "epoch": position.epoch,
@@ -309,10 +311,7 @@ def _to_dict(state: TrainingState) -> dict[str, Any]:
         "scaler": state.scaler,
         "processes": [{"rng": p.rng, "loss": p.loss} for p in state.processes],
     }
-    leaves, layout = pytree.tree_flatten_with_path(entries)
-    on_cpu = [(path, _on_cpu(leaf)) for path, leaf in leaves]
-    data = pytree.tree_unflatten([leaf for _, leaf in on_cpu], layout)
-    return {"format": FORMAT, **data, "checksums": _checksums(on_cpu)}
+    return pytree.tree_map(_on_cpu, entries)
 
 
 def _on_cpu(leaf: Any) -> Any:
@@ -343,10 +342,14 @@ def _checksums(leaves: list[tuple[Any, Any]]) -> dict[str, int]:
 
 
 def write(entries: dict[str, Any], file: BinaryIO | AtomicFile) -> None:
-    """``torch.save`` of a checkpoint's ``entries`` into ``file``, then their digest
-    (`_digest`): how every checkpoint is written, a checkpoint edited by hand included."""
+    """A checkpoint of ``entries`` (tensors on the CPU) into ``file``: ``torch.save`` of
+    them with this format and the checksums of their tensors (``format`` and
+    ``checksums`` among ``entries`` are replaced), then the digest (`_digest`). How
+    every checkpoint is written, one edited by hand included."""
+    content = {key: value for key, value in entries.items() if key not in ("format", "checksums")}
+    checksums = _checksums(pytree.tree_flatten_with_path(content)[0])
     writer = DigestWriter(file)
-    torch.save(entries, writer)
+    torch.save({"format": FORMAT, **content, "checksums": checksums}, writer)
     writer.finish()
 
 
@@ -516,9 +519,7 @@ def _check_layout(value: Any, layout: Any, where: str, path: Path) -> None:
             _check_layout(item, layout[0], f"{where}[{index}]", path)
     elif isinstance(layout, _Value):
         if not layout.admits(value):
-            shown = (
-                _shown(value) if isinstance(value, layout.kinds) else f"a {type(value).__name__}"
-            )
+            shown = _shown(value) if layout.of_kind(value) else f"a {type(value).__name__}"
             raise CheckpointError(f"{path}: {where} is {shown}, not {layout.allowed}")
     elif not isinstance(value, layout):
         kinds = layout if isinstance(layout, tuple) else (layout,)
