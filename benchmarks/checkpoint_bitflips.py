@@ -18,13 +18,14 @@ counted as:
 By default each byte gets one flip (of bit ``offset % 8``, so every bit position is
 hit across the file); ``--all-bits`` flips every bit (8 times as long).
 
-    python benchmarks/checkpoint_bitflips.py [--all-bits] [--src GENERATED/src]
+    python benchmarks/checkpoint_bitflips.py [--all-bits] [--format 4|5] [--src GENERATED/src]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import io
 import os
 import sys
@@ -38,6 +39,14 @@ from baking import use_generated_src
 RUN = ("--device", "cpu", "--samples", "1024", "--batch-size", "32", "--epochs", "1")
 
 
+def _bytes_of(tensor):
+    """The tensor's elements as bytes, in a new contiguous tensor (a flipped stride in
+    the pickle can leave a stride that ``view`` refuses)."""
+    import torch
+
+    return tensor.new_empty(tensor.shape).copy_(tensor).view(-1).view(torch.uint8)
+
+
 def same(a, b) -> bool:
     """Bitwise equality of two loaded values (tensors by dtype, shape and bytes)."""
     import torch
@@ -48,10 +57,10 @@ def same(a, b) -> bool:
             and isinstance(b, torch.Tensor)
             and a.dtype == b.dtype
             and a.shape == b.shape
-            and torch.equal(
-                a.contiguous().view(-1).view(torch.uint8), b.contiguous().view(-1).view(torch.uint8)
-            )
+            and torch.equal(_bytes_of(a), _bytes_of(b))
         )
+    if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b):
+        return type(a) is type(b) and same(vars(a), vars(b))
     if isinstance(a, dict) and isinstance(b, dict):
         return a.keys() == b.keys() and all(same(a[key], b[key]) for key in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
@@ -60,8 +69,6 @@ def same(a, b) -> bool:
 
 
 def differing(state, original) -> list[str]:
-    import dataclasses
-
     return [
         field.name
         for field in dataclasses.fields(state)
@@ -119,6 +126,9 @@ def sweep(train, path: Path, all_bits: bool) -> tuple[collections.Counter, colle
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--all-bits", action="store_true", help="flip every bit, not one a byte")
+    parser.add_argument(
+        "--format", type=int, choices=(4, 5), action="append", help="only this format"
+    )
     parser.add_argument("--src", help="a generated project's src folder (default: bake one)")
     arguments = parser.parse_args()
     use_generated_src(arguments.src)
@@ -140,6 +150,8 @@ def main() -> int:
         torch.save({**entries, "format": 4}, buffer)
         files[4] = buffer.getvalue()
         for version, data in files.items():
+            if arguments.format and version not in arguments.format:
+                continue
             latest.write_bytes(data)
             started = time.perf_counter()
             outcomes, changed = sweep(train, latest, arguments.all_bits)
