@@ -184,6 +184,7 @@ def test_requeued_job_resumes_and_ends_bitwise_equal(
     assert sorted(path.name for path in run_dir.iterdir()) == [
         "latest.pt",
         "metrics.csv",
+        "previous.pt",
         f"slurm-{job_id}.out",
         f"slurm-{job_id}.sbatch",
     ]
