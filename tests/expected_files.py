@@ -38,6 +38,7 @@ BASE_FILES = frozenset(
         "src/{package}/_command.py",
         "src/{package}/_data.py",
         "src/{package}/_files.py",
+        "src/{package}/_lifetime.py",
         "src/{package}/_metrics.py",
         "src/{package}/_preemption.py",
         "src/{package}/_progress.py",

@@ -348,13 +348,20 @@ def test_tensorboard_without_the_package(
 
 
 def test_default_run_folder_is_new_for_each_run(train_module, monkeypatch, tmp_path) -> None:
+    """Created exclusively: a folder of that name made by anyone, a moment before, is
+    never shared; -2, -3... follow."""
     monkeypatch.chdir(tmp_path)
     now = train_module.datetime(2026, 12, 1, 9, 30, 5)
-    assert train_module.default_run_dir(now) == Path("runs/2026-12-01_09-30-05")
-    Path("runs/2026-12-01_09-30-05").mkdir(parents=True)
-    assert train_module.default_run_dir(now) == Path("runs/2026-12-01_09-30-05-2")
-    Path("runs/2026-12-01_09-30-05-2").mkdir()
-    assert train_module.default_run_dir(now) == Path("runs/2026-12-01_09-30-05-3")
+    assert train_module.default_run_dir(now, create=False) == Path("runs/2026-12-01_09-30-05")
+    assert train_module.default_run_dir(now, create=True) == Path("runs/2026-12-01_09-30-05")
+    assert Path("runs/2026-12-01_09-30-05").is_dir()
+    assert train_module.default_run_dir(now, create=True) == Path("runs/2026-12-01_09-30-05-2")
+    Path("runs/2026-12-01_09-30-05-3").symlink_to(tmp_path)  # planted: not a folder to use
+    assert train_module.default_run_dir(now, create=True) == Path("runs/2026-12-01_09-30-05-4")
+    assert sorted(path.name for path in Path("runs").iterdir()) == [
+        "2026-12-01_09-30-05", "2026-12-01_09-30-05-2", "2026-12-01_09-30-05-3",
+        "2026-12-01_09-30-05-4",
+    ]  # fmt: skip
 
 
 def test_cuda_device_without_gpu(train_module, capsys) -> None:

@@ -14,7 +14,7 @@ sends SIGTERM to ``torchrun`` itself from outside, as ``docker stop`` or SLURM w
 
 from __future__ import annotations
 
-import shlex
+import re
 import signal
 import socket
 import subprocess
@@ -32,6 +32,7 @@ from training import (
     metrics,
     plant,
     reproducible,
+    run_printed,
     torchrun,
     train,
     train_in_background,
@@ -94,23 +95,6 @@ SIGNALS_DURING_THE_WRITE = """
 def reference(default_project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An uninterrupted run of 3 epochs with SMALL."""
     return uninterrupted(default_project, tmp_path_factory.mktemp("reference"))
-
-
-def run_printed(project: Path, command: str, **variables: str):
-    """Run the command a stopped run printed, as printed (``python -m`` or ``torchrun``)."""
-    words = shlex.split(command)
-    launcher = {
-        "python": [sys.executable],
-        "torchrun": [sys.executable, "-m", "torch.distributed.run"],
-    }
-    return subprocess.run(
-        [*launcher[words[0]], *words[1:]],
-        env=module_environment(project, **variables),
-        cwd=project,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 @pytest.mark.parametrize(
@@ -309,11 +293,15 @@ def test_one_train_per_run_folder(default_project: Path, tmp_path: Path, referen
         before = {path.name: path.read_bytes() for path in run.iterdir()}
         second = run_module(default_project, TRAIN, *args)
         assert second.returncode == 1
-        assert second.stderr == (
-            f"python -m {TRAIN}: error: {run} is being written by another process (PID "
-            f"{holder.pid} on {socket.gethostname()}; it holds {run / '.lock'}): wait for it "
-            "to end, or use another folder\n"
-        )
+        assert re.fullmatch(
+            re.escape(
+                f"python -m {TRAIN}: error: {run} is being written by another process (PID "
+                f"{holder.pid} on {socket.gethostname()}, which has held {run / '.lock'} for "
+            )
+            + r"0 min \d+ s"
+            + re.escape("): wait for it to end, or use another folder\n"),
+            second.stderr,
+        ), second.stderr
         assert {path.name: path.read_bytes() for path in run.iterdir()} == before
     finally:
         holder.kill()

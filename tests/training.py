@@ -4,6 +4,7 @@ reading what it wrote, and comparing two runs bit for bit."""
 from __future__ import annotations
 
 import csv
+import shlex
 import subprocess
 import sys
 import textwrap
@@ -110,3 +111,20 @@ def torchrun(project: Path, *args: str, path: tuple[Path, ...] = (), **variables
     )
     command = ("torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", TRAIN)
     return run_module(project, *command, *args, env=environ)
+
+
+def run_printed(project: Path, command: str, **variables: str):
+    """Run the command a stopped run printed, as printed (``python -m`` or ``torchrun``)."""
+    words = shlex.split(command)
+    launcher = {
+        "python": [sys.executable],
+        "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+    }
+    return subprocess.run(
+        [*launcher[words[0]], *words[1:]],
+        env=module_environment(project, **variables),
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
