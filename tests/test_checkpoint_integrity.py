@@ -23,25 +23,18 @@ import zipfile
 from pathlib import Path
 
 import pytest
-import test_train
-import test_train_faults
 import torch
-from test_train_faults import resume
 from training import (
     EPOCHS,
     SMALL,
     assert_bitwise_equal,
     checkpoint,
     plant,
+    resume,
     train,
     train_in_background,
     wait_for_line,
 )
-
-# The fixtures of those modules, shared rather than written again.
-reference = test_train.reference
-train_module = test_train_faults.train_module
-one_epoch, finished_run = test_train_faults.one_epoch, test_train_faults.finished_run
 
 _LOCAL_HEADER = struct.Struct("<4s22xHH")  # signature ... name length, extra length
 

@@ -13,9 +13,7 @@ exit status 1.
 
 from __future__ import annotations
 
-import importlib
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -23,34 +21,9 @@ import pytest
 import torch
 from conftest import module_environment
 from filesystems import FILL, READ_ONLY, SMALL_DISK, in_private_mounts
-from training import SMALL, TRAIN, checkpoint, plant, train, usage_error
+from training import SMALL, TRAIN, checkpoint, plant, resume, train, usage_error
 
 PREFIX = f"python -m {TRAIN}: error: "
-
-
-@pytest.fixture
-def train_module(default_project: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.syspath_prepend(str(default_project / "src"))
-    return importlib.import_module(TRAIN)
-
-
-@pytest.fixture(scope="module")
-def one_epoch(default_project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A finished 1-epoch run with SMALL, made once."""
-    directory = tmp_path_factory.mktemp("one-epoch") / "run"
-    result = train(default_project, *SMALL, "--epochs", "1", "--run-dir", str(directory))
-    assert result.returncode == 0, result.stderr
-    return directory
-
-
-@pytest.fixture
-def finished_run(tmp_path: Path, one_epoch: Path) -> Path:
-    """This test's own copy of `one_epoch`."""
-    return Path(shutil.copytree(one_epoch, tmp_path / "finished"))
-
-
-def resume(directory: Path) -> tuple[str, ...]:
-    return (*SMALL, "--epochs", "2", "--resume", "--run-dir", str(directory))
 
 
 def contents(directory: Path) -> dict[str, bytes]:

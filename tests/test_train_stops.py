@@ -36,7 +36,6 @@ from training import (
     torchrun,
     train,
     train_in_background,
-    uninterrupted,
     wait_for_line,
 )
 
@@ -89,12 +88,6 @@ SIGNALS_DURING_THE_WRITE = """
 
     torch.save = save
 """
-
-
-@pytest.fixture(scope="module")
-def reference(default_project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted run of 3 epochs with SMALL."""
-    return uninterrupted(default_project, tmp_path_factory.mktemp("reference"))
 
 
 @pytest.mark.parametrize(

@@ -54,7 +54,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import _digest
-from ._command import CommandError
+from ._command import CommandError, first_line
 from ._digest import DigestCheck, DigestWriter
 from ._files import AtomicFile
 
@@ -413,7 +413,7 @@ def _read(path: Path) -> Any:
         try:
             unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
         except Exception as error:
-            raise _unreadable(path, _first_line(error)) from error
+            raise _unreadable(path, first_line(error)) from error
         if unsafe:
             raise _unreadable(
                 path,
@@ -428,12 +428,7 @@ def _read(path: Path) -> Any:
             detail = reason.split(". ")[0] if found else "its pickle is damaged"
             raise _unreadable(path, f"{detail}; refused, nothing in it was run") from None
         except Exception as error:
-            raise _unreadable(path, _first_line(error)) from error
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+            raise _unreadable(path, first_line(error)) from error
 
 
 def _refuse_digest_mismatch(path: Path) -> NoReturn:
@@ -597,7 +592,7 @@ def _check_rng(processes: list[dict[str, Any]], path: Path) -> None:
             torch.Generator().set_state(process["rng"]["torch"])
         except (RuntimeError, TypeError) as error:
             raise CheckpointError(
-                f"{where}.torch is not a torch generator state ({_first_line(error)})"
+                f"{where}.torch is not a torch generator state ({first_line(error)})"
             ) from None
 
 
