@@ -212,6 +212,7 @@ def test_requeued_job_resumes_and_ends_bitwise_equal(
         "latest.pt",
         "launch-job.txt",
         "metrics.csv",
+        "previous.pt",
         f"slurm-{job_id}.out",
         f"slurm-{job_id}.sbatch",
     ]

@@ -4,7 +4,9 @@ reading what it wrote, and comparing two runs bit for bit."""
 from __future__ import annotations
 
 import csv
+import importlib
 import shlex
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -155,3 +157,40 @@ def run_printed(project: Path, command: str, **variables: str):
         text=True,
         timeout=600,
     )
+
+
+# Fixtures of the tests of train (registered in conftest.py with pytest_plugins).
+
+
+@pytest.fixture
+def train_module(default_project: Path, monkeypatch: pytest.MonkeyPatch):
+    """The default project's train module, imported in this process."""
+    monkeypatch.syspath_prepend(str(default_project / "src"))
+    return importlib.import_module(TRAIN)
+
+
+@pytest.fixture(scope="module")
+def reference(default_project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted run of SMALL for EPOCHS epochs that interrupted ones are
+    compared with (no workers)."""
+    return uninterrupted(default_project, tmp_path_factory.mktemp("reference"))
+
+
+@pytest.fixture(scope="module")
+def one_epoch(default_project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished 1-epoch run with SMALL, made once."""
+    directory = tmp_path_factory.mktemp("one-epoch") / "run"
+    result = train(default_project, *SMALL, "--epochs", "1", "--run-dir", str(directory))
+    assert result.returncode == 0, result.stderr
+    return directory
+
+
+@pytest.fixture
+def finished_run(tmp_path: Path, one_epoch: Path) -> Path:
+    """This test's own copy of `one_epoch`."""
+    return Path(shutil.copytree(one_epoch, tmp_path / "finished"))
+
+
+def resume(directory: Path) -> tuple[str, ...]:
+    """The arguments that resume a SMALL run in ``directory`` for a second epoch."""
+    return (*SMALL, "--epochs", "2", "--resume", "--run-dir", str(directory))

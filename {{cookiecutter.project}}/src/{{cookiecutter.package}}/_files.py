@@ -12,6 +12,8 @@ commands and the pytest plugin write goes through this module:
   whole new one, never a part; ``rename`` replaces a link at the target instead of
   writing through it. On any failure the temporary file is removed, even when closing
   it fails too (a full disk fails the close's last flush), and the target is as it was.
+  A commit can keep the target it replaces under a second name (checkpoints keep
+  ``previous.pt``), with a complete file under the target's name at every instant.
 - `open_to_append` and `read_text` open the target itself with ``O_NOFOLLOW``: a link
   there is refused (with ``O_NONBLOCK`` a planted FIFO cannot hang the open), and so is
   anything but a regular file; a file opened to write with other names (hard links,
@@ -53,6 +55,8 @@ __all__ = [
     "write_atomically",
 ]
 
+# What os.link raises where a file system has no hard links.
+_NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK}
 # Opening a file someone may have replaced: never through a link, never blocking on a FIFO,
 # never leaked into a child process.
 _SAFE_OPEN = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -142,11 +146,13 @@ class AtomicFile:
     def fileno(self) -> int:
         return self._file.fileno()
 
-    def commit(self, *, durable: bool = True) -> None:
+    def commit(self, *, durable: bool = True, keep_previous: Path | None = None) -> None:
         """Put the content under ``path``; `FileError` (and ``path`` as it was) when that
         fails. ``durable``: on disk first, and the rename too, so that both survive a
         power cut. Without, readers still see the old file or the whole new one, but a
-        power cut may leave the old file, or on some file systems an empty one."""
+        power cut may leave the old file, or on some file systems an empty one.
+        ``keep_previous``: the file ``path`` held (if any) is then under that name, and
+        what was there is gone; ``path`` is a complete file at every instant."""
         try:
             self.flush()
             if durable:
@@ -154,6 +160,8 @@ class AtomicFile:
                 # leave an empty or partial file under the name after a power cut.
                 os.fsync(self._file.fileno())
             self._file.close()
+            if keep_previous is not None:
+                _link_previous(self.path, keep_previous)
             os.replace(self.temporary, self.path)
         except OSError as error:
             self.discard()
@@ -192,6 +200,29 @@ class AtomicFile:
             f"the previous {self.path.name} is intact" if self.path.exists() else "nothing written"
         )
         return FileError(self.path, "write", f"{failure.reason} ({kept})")
+
+
+def _link_previous(path: Path, previous: Path) -> None:
+    """Make ``previous`` a second name of the file at ``path`` (none: nothing to keep).
+
+    A hard link, not a copy or a rename: ``path`` keeps its file until the rename that
+    follows replaces it, so a crash at any point leaves ``path`` complete (the old file
+    or, after the rename, the new one) and ``previous`` either missing, the generation
+    before, or the old file. The old file's bytes were made durable by the commit that
+    put them there, so neither name can point at a partial file after a power cut,
+    whichever of these steps reach the disk (the folder's ``fsync`` after the rename
+    writes both names). ``os.link`` never replaces: what is at ``previous`` goes first.
+    On a file system without hard links (FAT, some FUSE mounts) nothing is kept.
+    """
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(previous)  # a planted link there is removed, never followed
+    try:
+        os.link(path, previous, follow_symlinks=False)
+    except FileNotFoundError:  # the first commit: no file to keep yet
+        pass
+    except OSError as error:
+        if error.errno not in _NO_HARD_LINKS:
+            raise
 
 
 def write_atomically(

@@ -16,8 +16,8 @@ and a checkpoint holds the model, the optimizer, the fp16 gradient scaler, every
 random number generator and the position in the epoch, so ``--resume`` continues
 exactly where the last checkpoint stopped, even mid-epoch: the final weights are
 bitwise equal to those of an uninterrupted run with the same settings, whatever
-``--workers`` either run used. A checkpoint carries a CRC-32 of each tensor, which
-``--resume`` verifies (`_checkpoint`).
+``--workers`` either run used. A checkpoint ends with a SHA-256 digest of all its bytes,
+which ``--resume`` verifies before reading it, then checks every value (`_checkpoint`).
 
 Stopping, and what launch scripts rely on (``<project>-launch slurm`` among them):
 
@@ -312,14 +312,34 @@ def build_model() -> DynamicNet:
 def load_resumable(
     config: Config, launch: Launch, device: torch.device, log: TextIO
 ) -> TrainingState:
-    """The checkpoint to resume, checked against this run's model and settings."""
+    """The checkpoint to resume, checked against this run's model and settings; when it
+    is refused, the refusal says how to resume from the previous one, if that one is
+    intact."""
     assert config.checkpoint is not None
-    try:
-        state = _checkpoint.load(config.checkpoint)
+
+    def checked(path: Path) -> TrainingState:
+        state = _checkpoint.load(path)
         with torch.device("meta"):  # the shapes, without the memory or the random numbers
-            _checkpoint.check_fits(state, build_model(), config.checkpoint)
+            _checkpoint.check_fits(state, build_model(), path)
+        return state
+
+    try:
+        state = checked(config.checkpoint)
     except _checkpoint.CheckpointError as error:
-        raise UsageError(f"argument --resume: {error}") from None
+        previous = config.checkpoint.with_name(_checkpoint.PREVIOUS)
+        try:
+            kept = checked(previous) if previous.exists() else None
+        except _checkpoint.CheckpointError:
+            kept = None
+        offer = ""
+        if kept is not None:
+            at = where(kept.position, len(epoch_batches(config, launch)))
+            move = shlex.join(["mv", str(previous), str(config.checkpoint)])
+            offer = (
+                f"; {previous} is intact, at {at}: to resume from it, run {move}, then "
+                "this command again"
+            )
+        raise UsageError(f"argument --resume: {error}{offer}") from None
     settings = run_settings(config, launch)
     for name in DATA_SETTINGS:
         if getattr(state.run, name) != getattr(settings, name):
@@ -329,11 +349,10 @@ def load_resumable(
                 "makes another data set; use the same value, or a new --run-dir"
             )
     if launch.rank == 0:
-        if state.format == _checkpoint.UNVERIFIED_FORMAT:
+        if (unverified := _checkpoint.UNVERIFIED.get(state.format)) is not None:
             print(
-                f"warning: {config.checkpoint} is a checkpoint of format "
-                f"{_checkpoint.UNVERIFIED_FORMAT}, written by an earlier version of this "
-                "command: it has no checksums, so its tensors are not verified",
+                f"warning: {config.checkpoint} is a checkpoint of format {state.format}, "
+                f"written by an earlier version of this command: {unverified}",
                 file=log,
             )
         for name in SCHEDULE_SETTINGS:
