@@ -83,6 +83,7 @@ def main() -> int:
     use_generated_src(args.src)
     import torch
     from dynamic_model.testing import gradcheck as module
+    from dynamic_model.testing.gradcheck.screen import DIAGNOSIS_FLOOR, DIAGNOSIS_MULTIPLE
 
     torch.set_num_threads(1)
     print(
@@ -109,7 +110,7 @@ def main() -> int:
             r"the diagnosis made ([\d,]+) evaluations, ([\d.]+)x the ([\d,]+)", message
         )
         diagnosis, _, check = (found.group(i).replace(",", "") for i in (1, 2, 3))
-        bound = module.DIAGNOSIS_MULTIPLE * int(check) + module.DIAGNOSIS_FLOOR
+        bound = DIAGNOSIS_MULTIPLE * int(check) + DIAGNOSIS_FLOOR
         within = within and int(diagnosis) <= bound
         print(
             f"{name:<58}{passing:>9.3f}{failed:>9.3f}{failed / passing:>8.1f}{check:>13}"

@@ -119,11 +119,11 @@ def _evaluations(case) -> int:
     return count
 
 
-def _evaluation_overhead(gradcheck_module, case) -> float:
+def _evaluation_overhead(problem_module, case) -> float:
     """Seconds the fixture adds to one evaluation of the function (best of many): its
     evaluation against the same call made directly on the same float64 tensors."""
     function = case.torch_function()
-    problem = gradcheck_module._Problem(function, tuple(case.differentiable()), {}, True)
+    problem = problem_module.Problem(function, tuple(case.differentiable()), {}, True)
     values = [c.value.detach() for c in problem.checked]
     tensors = [c.as_user(v) for c, v in zip(problem.checked, values, strict=True)]
     loops = 200
@@ -147,7 +147,7 @@ def _theil_sen(points: list[tuple[float, float]]) -> tuple[float, float]:
     return slope, statistics.median(y - slope * x for x, y in points)
 
 
-def cost(gradcheck, gradcheck_module, sweep, ops: int, repeats: int) -> bool:
+def cost(gradcheck, problem_module, sweep, ops: int, repeats: int) -> bool:
     import torch
 
     rows = []
@@ -166,7 +166,7 @@ def cost(gradcheck, gradcheck_module, sweep, ops: int, repeats: int) -> bool:
             fixture = min(fixture, _cpu_per_call(lambda: sweep.ours_flat(gradcheck, case), loops))  # noqa: B023
             direct = min(direct, _cpu_per_call(lambda: sweep.theirs(case), loops))  # noqa: B023
         evaluations = _evaluations(case)
-        overhead = _evaluation_overhead(gradcheck_module, case)
+        overhead = _evaluation_overhead(problem_module, case)
         rows.append((case.name, direct, fixture, evaluations, overhead))
     print(f"\ncost against torch.autograd.gradcheck, {len(rows)} ops, CPU time, 1 thread")
     print(
@@ -225,16 +225,16 @@ def main() -> int:
 
     import op_db_sweep as sweep
     import torch
-    from dynamic_model.testing import gradcheck as gradcheck_module
+    from dynamic_model.testing.gradcheck import gradcheck
+    from dynamic_model.testing.gradcheck import problem as problem_module
 
     warnings.filterwarnings("ignore")  # deprecations of the ops' own samples
     torch.set_num_threads(1)
-    gradcheck = gradcheck_module.gradcheck
     ok = True
     if args.agreement or not args.cost:
         agreement(gradcheck, sweep)
     if args.cost or not args.agreement:
-        ok = cost(gradcheck, gradcheck_module, sweep, args.ops, args.repeats)
+        ok = cost(gradcheck, problem_module, sweep, args.ops, args.repeats)
         print(f"\n{'within' if ok else 'OVER'} target")
     return 0 if ok else 1
 

@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 from cookiecutter.main import cookiecutter
 
+# The fixtures of the tests of train, beside their helpers.
+pytest_plugins = ("training",)
+
 TEMPLATE_DIR = Path(__file__).resolve().parent.parent
 DEFAULT_PACKAGE = "dynamic_model"
 PLUGIN_MODULE = f"{DEFAULT_PACKAGE}.testing.plugin"

@@ -9,6 +9,7 @@ nothing written.
 from __future__ import annotations
 
 import importlib
+import os
 import shutil
 import socket
 import subprocess
@@ -23,9 +24,23 @@ PROG = f"python -m {LAUNCH} slurm"
 SHELLCHECK = Path(sys.executable).parent / "shellcheck"
 
 
+CLUSTER = "tests"
+
+
 @pytest.fixture
-def launch(default_project: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path):
-    """The launch module, imported from the default project, run from an empty folder."""
+def launch(
+    default_project: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+):
+    """The launch module, imported from the default project, run from an empty folder,
+    with an ``scontrol`` on PATH that answers ``show config`` as cluster `CLUSTER` does."""
+    client = tmp_path_factory.mktemp("slurm-client")
+    scontrol = client / "scontrol"
+    scontrol.write_text(f"#!/bin/sh\necho 'ClusterName             = {CLUSTER}'\n")
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{client}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.syspath_prepend(str(default_project / "src"))
     monkeypatch.chdir(tmp_path)
     return importlib.import_module(LAUNCH)
@@ -71,11 +86,11 @@ def test_gpu_job_script(launch, capsys, tmp_path: Path) -> None:
         "#SBATCH --qos=high",
         "#SBATCH --requeue",
         "#SBATCH --signal=B:USR1@120",
-        f"#SBATCH --output={tmp_path}/runs/slurm-%j/slurm-%j.out",
+        f"#SBATCH --output={tmp_path}/runs/slurm-{CLUSTER}-%j/slurm-%j.out",
         "#SBATCH --open-mode=append",
     ]
     assert f"cd {tmp_path}" in lines
-    assert f'run_dir={tmp_path}/runs/slurm-"$SLURM_JOB_ID"' in lines
+    assert f'run_dir={tmp_path}/runs/slurm-{CLUSTER}-"$SLURM_JOB_ID"' in lines
     assert "export OMP_NUM_THREADS=8  # --cpus-per-task 32 shared by 4 process(es)" in lines
     command = script.split("\nsrun ", 1)[1].split(" &\n", 1)[0].replace("\\\n", " ").split()
     assert command == [
@@ -275,6 +290,10 @@ def test_without_sbatch(launch, capsys, monkeypatch: pytest.MonkeyPatch, tmp_pat
     )
     assert list(tmp_path.iterdir()) == []
     assert launch.main(["slurm", "--gpus-per-node", "0", "--dry-run"]) == 0  # needs no SLURM
+    # Without scontrol the cluster's name is unknown: the script says so where it goes.
+    assert f'#SBATCH --output="{tmp_path}/runs/slurm-<cluster>-%j/slurm-%j.out"' in (
+        capsys.readouterr().out
+    )
 
 
 @pytest.mark.parametrize(
@@ -324,3 +343,48 @@ def test_requeue_trap_keeps_waiting_for_the_training(launch, capsys, tmp_path: P
     result = subprocess.run(["bash", str(probe)], capture_output=True, text=True, timeout=30)
     assert result.stdout == "trapped\n"
     assert result.returncode == 7  # the training's status, after the trap
+
+
+@pytest.mark.parametrize(
+    ("answer", "job_id"),
+    [
+        ("1234\n", 1234),
+        ("1234;tests\n", 1234),  # --parsable on a cluster of a federation
+        ("Submitted batch job 77\n", 77),  # a site's sbatch without --parsable
+        ("Submitted batch job 77 on cluster tests\n", 77),
+        ("sbatch: jobs in partition gpu are billed per GPU hour\n1234\n", 1234),  # a wrapper
+        ("1234\nsbatch: remember to cite the cluster\n", 1234),
+        ("sbatch: accepted\n", None),
+        ("1234 jobs queued\n", None),
+        ("", None),
+    ],
+)
+def test_job_id_in_sbatch_answers(launch, answer: str, job_id: int | None) -> None:
+    assert launch.job_id_of(answer) == job_id
+
+
+@pytest.mark.parametrize("character", ["\\", "\n", "\t"])
+def test_paths_that_an_sbatch_line_cannot_hold(
+    launch, capsys, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, character: str
+) -> None:
+    """The log's folder goes into ``#SBATCH --output``: a working directory with a
+    backslash (sbatch would leave ``%j`` in the name, and the job fail after "submitted")
+    or a control character (a newline ends the line) is refused, as a --run-dir is; a
+    --run-dir elsewhere is taken from there."""
+    folder = tmp_path / f"a{character}b"
+    folder.mkdir()
+    monkeypatch.chdir(folder)
+    assert usage_error(launch, capsys, "--dry-run", "--gpus-per-node", "0") == (
+        f"the working directory: {str(folder / 'runs')!r} holds {character!r} and goes into the "
+        "script's #SBATCH --output line, which ends at a newline and loses its %j after a "
+        "backslash; allowed: any character but backslashes and control characters"
+    )
+    assert usage_error(launch, capsys, "--dry-run", "--run-dir", "run") == (
+        f"argument --run-dir: {str(folder / 'run')!r} holds {character!r} and goes into the "
+        "script's #SBATCH --output line, which ends at a newline and loses its %j after a "
+        "backslash; allowed: any character but backslashes and control characters"
+    )
+    elsewhere = tmp_path / "run"
+    script = dry_run(launch, capsys, "--gpus-per-node", "0", "--run-dir", str(elsewhere))
+    assert f"#SBATCH --output={elsewhere}/slurm-%j.out" in script
+    assert sorted(path.name for path in tmp_path.iterdir()) == [folder.name]

@@ -132,7 +132,11 @@ def test_two_nodes_resume_after_sigterm_bitwise_equal(
     assert saved["run"]["world_size"] == 4
     assert len(saved["processes"]) == 4  # every rank's generators, gathered by rank 0
     assert LAST_CHECKPOINT <= saved["global_step"] < 32, nodes  # stopped at the signal
-    assert sorted(path.name for path in stopped_dir.iterdir()) == ["latest.pt", "metrics.csv"]
+    assert sorted(path.name for path in stopped_dir.iterdir()) == [
+        "latest.pt",
+        "metrics.csv",
+        "previous.pt",  # the checkpoint of step 10
+    ]
 
     run_dir = tmp_path / "run"
     shutil.copytree(stopped_dir, run_dir)

@@ -5,7 +5,10 @@ rank's batch uses without and with ``find_unused_parameters=True``, a loop decid
 each rank's own data around an ``all_reduce`` against one decided by the all-reduced
 value, buffers kept per rank (``broadcast_buffers=False``) against DDP's default. A
 rank that kills itself in the middle of a step and one that hangs are reported, and
-no process of the check outlives it (psutil lists this process's descendants). Each
+no process of the check outlives it (psutil lists this process's descendants), nor any
+process a rank starts, in its process group or in a session of its own, whether the
+check passes, a rank raises or hangs, or the test's process gets a Ctrl-C (found by
+their argv[0] in /proc); the check's files are in pytest's temporary folder. Each
 session runs in a fresh interpreter (``runpytest_subprocess``); the ranks are forked
 from it, except in the one test that spawns them.
 """
@@ -18,8 +21,12 @@ from test_plugin_training import run_session
 
 HELPERS = f'''
 import os
+import shutil
 import signal
+import subprocess
 import time
+import uuid
+from pathlib import Path
 
 import psutil
 import torch
@@ -117,6 +124,63 @@ class RaisesOnNegativeBatches(DiesOnRankOne):
         return self.linear(x)
 
 
+CHILD = f"ddp-check-child-{{uuid.uuid4().hex}}"  # argv[0] of the children the ranks start
+
+
+def started_by_a_rank():
+    """This process's check folder (its faulthandler file is open in it), after starting
+    two sleeps with CHILD for argv[0]: one in this process's group, one in a session of
+    its own (as a daemon starts)."""
+    folder = next(
+        Path(os.readlink(fd)).parent
+        for fd in Path("/proc/self/fd").iterdir()
+        if Path(os.readlink(fd)).name.startswith("stack")
+    )
+    for new_session in (False, True):
+        subprocess.Popen([CHILD, "600"], executable=shutil.which("sleep"),
+                         start_new_session=new_session)
+    return folder
+
+
+def children_left():
+    """The live processes whose argv[0] is CHILD (a zombie's argv reads empty)."""
+    left = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if (entry / "cmdline").read_bytes().split(b"\\0")[0] == CHILD.encode():
+                left.append(int(entry.name))
+        except OSError:
+            continue
+    return left
+
+
+class StartsChildren(nn.Module):
+    """Starts two sleeps in each process of the check, writing its folder to ``report``;
+    then on rank 1, in the second step, raises, hangs, or hangs after a Ctrl-C to the
+    test's process (its parent), as ``then`` says."""
+
+    def __init__(self, report, then):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.report, self.then = report, then
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 1 and dist.is_initialized():
+            folder = started_by_a_rank()
+            with open(self.report, "a") as report:
+                report.write(f"{{dist.get_world_size()}}:{{dist.get_rank()}} {{folder}}\\n")
+        if dist.get_world_size() > 1 and dist.get_rank() == 1 and self.calls == 2:
+            if self.then == "raise":
+                raise ValueError("rank 1 gives up")
+            if self.then == "ctrl-c":
+                os.kill(os.getppid(), signal.SIGINT)
+            if self.then in ("hang", "ctrl-c"):
+                time.sleep(600)
+        return self.linear(x)
+
+
 def both_sides(model):
     """A batch where h.mean() > 0 and one where it is < 0."""
     direction = model.linear.weight.sum(dim=0).sign().expand(4, -1)
@@ -135,6 +199,7 @@ def tiny_gpt2():
 
 PASSING = """
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -249,6 +314,28 @@ def test_a_hanging_rank_is_killed_at_the_timeout(ddp_check):
     assert not descendants()
 
 
+@pytest.mark.parametrize("then", ["passes", "raise", "hang", "ctrl-c"])
+def test_processes_a_rank_starts_end_with_it(ddp_check, then, tmp_path, tmp_path_factory):
+    report = tmp_path / "started.txt"
+    model = seeded(lambda: StartsChildren(report, then))
+    if then == "passes":
+        ddp_check(model, batch(), batch())
+    elif then == "ctrl-c":
+        with pytest.raises(KeyboardInterrupt):
+            ddp_check(model, batch(), batch())
+    else:
+        with pytest.raises(RankFailed) as failure:
+            ddp_check(model, batch(), batch(), timeout=3)
+        assert failure.value.how == {{"raise": "raised", "hang": "timed out"}}[then]
+    started = dict(line.split() for line in report.read_text().splitlines())
+    # Both ranks started theirs (the single process too, unless a rank ended it first).
+    assert {{"2:0", "2:1"}} <= set(started)
+    assert not children_left()
+    for folder in started.values():
+        assert Path(folder).parent == tmp_path_factory.getbasetemp()
+        assert not Path(folder).exists()
+
+
 def test_a_rank_that_raises(ddp_check):
     with pytest.raises(RankFailed) as failure:
         ddp_check(seeded(RaisesOnNegativeBatches), batch().abs(), -batch().abs())
@@ -291,6 +378,10 @@ def test_nccl_without_gpus(ddp_check):
 
 def test_one_step(ddp_check):
     ddp_check(seeded(PerSampleNet), batch(), batch(), steps=1)
+
+
+def test_a_temp_root_that_is_no_folder(ddp_check):
+    ddp_check(seeded(PerSampleNet), batch(), batch(), temp_root="no/such/folder")
 
 
 def test_spawned_ranks_of_a_lambda(ddp_check):
@@ -353,6 +444,9 @@ EXPECTED_FAILURES = {
         "E*ValueError: ddp_check: steps must be a whole number >= 2 (DDP reports a reduction left "
         "unfinished at the next step), got 1",
     ],
+    "test_a_temp_root_that_is_no_folder": [
+        "E*ValueError: ddp_check: temp_root must be an existing folder, got 'no/such/folder'",
+    ],
     "test_spawned_ranks_of_a_lambda": [
         "E*TypeError: ddp_check: start_method='spawn': the model, inputs, loss_fn and optimizer "
         "must then pickle, and they do not (*). Define the model's class and any function at "
@@ -363,7 +457,7 @@ EXPECTED_FAILURES = {
 
 def test_models_that_scale_pass_and_failing_ranks_are_ended(plugin_pytester):
     result = run_session(plugin_pytester, PASSING, "-v", helpers=HELPERS)
-    result.assert_outcomes(passed=12)
+    result.assert_outcomes(passed=16)
     result.stdout.fnmatch_lines(
         [
             "ddp_check RoutedRefineNet: 2 ranks (gloo, cpu), 3 steps, DDP options: "

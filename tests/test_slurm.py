@@ -7,8 +7,12 @@ whose folder name holds shell and sbatch syntax (``$(...)``, backquotes, quotes,
 (`at_step`); the test then runs ``scontrol requeue``, which sends every process of
 the job SIGCONT and SIGTERM and puts it back in the queue under the same id. The
 second attempt must find the same run folder, resume from its checkpoint, and end
-bitwise equal to an uninterrupted 2-process run. Another job of the same kind is ended
-by ``scancel --signal=TERM`` and must keep the checkpoint of the step it stopped at.
+bitwise equal to an uninterrupted 2-process run; near the time limit (SIGUSR1 to the
+batch shell, from scancel or from SLURM at a real 3-minute limit) train must have
+stopped before the job is requeued. Another job of the same kind is ended by
+``scancel --signal=TERM`` and must keep the checkpoint of the step it stopped at.
+Without training: a job id whose run folder exists, a --run-dir taken over by a newer
+job, ``sbatch`` wrappers that add a line or print no id, a refused ``scontrol release``.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import time
@@ -55,13 +60,21 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[slurm_cluster.
 
 
 # How the job is sent back to the queue: as a preemption or an administrator does it,
-# or by the job itself near its time limit (its batch shell gets SIGUSR1 from
-# --signal=B:USR1@SECONDS, which `scancel --batch --signal=USR1` sends the same way,
-# and its trap runs `scontrol requeue`).
+# or by the job itself near its time limit: its batch shell gets SIGUSR1 from
+# --signal=B:USR1@SECONDS (as `scancel --batch --signal=USR1` sends it, or SLURM at the
+# real time limit: no command), stops train and then runs `scontrol requeue`.
 REQUEUES = {
     "scontrol-requeue": ("scontrol", "requeue"),
     "near-time-limit": ("scancel", "--batch", "--signal=USR1"),
+    "time-limit": None,
 }
+# A short time limit whose signal comes after rank 0 stopped at step 23 (14 to 21 s after
+# launch here, more on a loaded machine): SLURM signals --requeue-before (60 s) to 120 s
+# before the limit (its timer has a resolution of up to 60 s), so 60 to 120 s into the
+# attempt. The 50 s left for the checkpoint (less the 10 s the script keeps for the
+# requeue) cover rank 0's slow fsyncs (13 s measured); the second attempt trains its 25
+# steps long before its own signal.
+TIME_LIMIT = ("--time", "3", "--requeue-before", "60")
 
 
 @dataclass(frozen=True)
@@ -128,8 +141,7 @@ def job_at_step(
         launch = ("slurm", *options, *chosen, "--", *ARGS, *EVERY)
         submitted = run_module(project, LAUNCH, *launch, env=environ)
         assert submitted.returncode == 0, submitted.stderr
-        job_id = int(re.match(r"submitted job (\d+);", submitted.stdout).group(1))
-        run_dir = run_dir or project / "runs" / f"slurm-{job_id}"
+        job_id, run_dir = submitted_job(submitted.stdout)
 
         def at_step_or_ended(job_id: int = job_id, marker: Path = marker) -> bool:
             return marker.exists() or cluster.job_state(job_id) not in ("PENDING", "RUNNING")
@@ -144,17 +156,31 @@ def job_at_step(
         attempt += 1
 
 
+def submitted_job(stdout: str) -> tuple[int, Path]:
+    """The job id and run folder that launch's ``submitted job ...`` line names."""
+    match = re.match(r"submitted job (\d+); run folder (.*)\n", stdout)
+    assert match is not None, stdout
+    return int(match[1]), Path(match[2])
+
+
 @pytest.fixture(scope="module", params=list(REQUEUES))
 def requeued(
     request, cluster, hostile_project: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Requeued:
-    options = ("--nodes", "2", "--gpus-per-node", "0", "--time", "10")
+    limit = TIME_LIMIT if request.param == "time-limit" else ("--time", "10")
+    options = ("--nodes", "2", "--gpus-per-node", "0", *limit)
     folder = tmp_path_factory.mktemp("requeue")
+    launched = time.monotonic()
     job_id, run_dir, _ = job_at_step(
         cluster, hostile_project, folder, *options, f"--sbatch=--comment={HOSTILE}"
     )
     requeue = time.monotonic()
-    cluster.run(*REQUEUES[request.param], str(job_id))
+    print(
+        f"job {job_id}: rank 0 stopped after step {AT_STEP} {requeue - launched:.1f} s after launch"
+    )
+    command = REQUEUES[request.param]
+    if command is not None:
+        cluster.run(*command, str(job_id))
     seconds = {}
     for state in ("PENDING", "RUNNING", "COMPLETED"):
         cluster.wait_for(
@@ -181,19 +207,30 @@ def test_requeued_job_resumes_and_ends_bitwise_equal(
     shown = cluster.run("scontrol", "show", "job", str(job_id)).stdout
     # An #SBATCH line that sbatch read as written (scontrol ends the line with a space).
     assert re.search(r"^ +Comment=(.*) $", shown, re.MULTILINE).group(1) == HOSTILE
+    assert run_dir == hostile_project / "runs" / f"slurm-tests-{job_id}"
     assert sorted(path.name for path in run_dir.iterdir()) == [
         "latest.pt",
+        "launch-job.txt",
         "metrics.csv",
+        "previous.pt",
         f"slurm-{job_id}.out",
         f"slurm-{job_id}.sbatch",
     ]
     first, second = requeued.log.split(f"launch: job {job_id}, attempt 2, on n[1-2] at ")
     assert first.startswith(f"launch: job {job_id}, attempt 1, on n[1-2] at "), requeued.log
-    if requeued.how == "near-time-limit":
-        assert f"launch: time limit near: requeueing job {job_id}\n" in first
-    assert f"JOB {job_id} ON n1 CANCELLED AT" in first
-    assert "DUE TO JOB REQUEUE" in first
-    assert "launch: SIGTERM (preempted, requeued or cancelled): train checkpoints" in first
+    if requeued.how == "scontrol-requeue":
+        assert f"STEP {job_id}.0 ON n1 CANCELLED AT" in first
+        assert "DUE TO JOB REQUEUE" in first
+        assert "launch: SIGTERM (preempted, requeued or cancelled): train checkpoints" in first
+    else:  # train was stopped, and had stopped, before the job was requeued
+        signalled = first.index(
+            f"launch: time limit near: train checkpoints, then job {job_id} is requeued\n"
+        )
+        stopped = first.index("\nstopped by SIGTERM at epoch 2, step ")
+        requeueing = first.index(f"launch: requeueing job {job_id}\n")
+        assert signalled < stopped < requeueing, requeued.log
+        # The step ended by itself: the requeue cancelled nothing that still ran.
+        assert "DUE TO JOB REQUEUE" not in first[:requeueing], requeued.log
     assert "trained 3 epochs" not in first
     assert second.count("trained 3 epochs on 2 processes on cpu (gloo): loss ") == 1, second
     # The second attempt resumed (with --resume: without it train refuses the folder).
@@ -212,6 +249,10 @@ def test_requeue_checkpoints_the_step_reached(requeued: Requeued) -> None:
     checkpoint of step 20, and rank 0's message says how to resume."""
     assert requeued.between["global_step"] >= AT_STEP, requeued.between
     first = requeued.log.split("attempt 2, on n[1-2]")[0]
+    # The checkpoint the requeue kept is the one rank 0 wrote when it stopped.
+    at_stop = re.search(r"^stopped by SIGTERM at .* \(step (\d+) of the run\)", first, re.M)
+    assert at_stop is not None, requeued.log
+    assert int(at_stop[1]) == requeued.between["global_step"], requeued.log
     hints = [line for line in first.splitlines() if line.startswith("resume with: ")]
     assert len(hints) == 1, requeued.log
     (hint,) = hints
@@ -285,3 +326,168 @@ def test_a_job_sbatch_refuses_leaves_nothing_behind(
         "generic resource (gres) specification\n"
     )
     assert list(tmp_path.iterdir()) == []
+
+
+def launch_env(cluster: slurm_cluster.Cluster, project: Path, *path: Path) -> dict[str, str]:
+    """The environment to run launch in, with ``path`` ahead of PATH."""
+    environ = {**module_environment(project), "SLURM_CONF": cluster.env["SLURM_CONF"]}
+    environ["PATH"] = os.pathsep.join([*map(str, path), environ["PATH"]])
+    return environ
+
+
+def next_job_id(cluster: slurm_cluster.Cluster) -> int:
+    """The id SLURM gives the next job: one more than that of a job submitted (held) and
+    cancelled here."""
+    probe = int(cluster.run("sbatch", "--parsable", "--hold", "--wrap=true").stdout.strip())
+    cluster.run("scancel", str(probe))
+    return probe + 1
+
+
+def test_a_job_id_seen_before_leaves_that_run_alone(
+    cluster, default_project: Path, tmp_path: Path
+) -> None:
+    """Job ids repeat (a reset of SLURM's state, ids wrapping at MaxJobId): a new job that
+    finds a run folder of its id is cancelled, with one line saying why, and the earlier
+    run's folder stays as it was, its log not appended to."""
+    job_id = next_job_id(cluster)
+    earlier = tmp_path / "runs" / f"slurm-tests-{job_id}"
+    earlier.mkdir(parents=True)
+    (earlier / f"slurm-{job_id}.out").write_text("trained 3 epochs on cpu: loss 0.5003\n")
+    before = {path.name: path.read_bytes() for path in earlier.iterdir()}
+    refused = run_module(
+        default_project, LAUNCH, "slurm", "--gpus-per-node", "0",
+        env=launch_env(cluster, default_project), cwd=tmp_path,
+    )  # fmt: skip
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert refused.stderr == (
+        f"python -m {LAUNCH} slurm: error: run folder {earlier} already exists, from an earlier "
+        f"job {job_id} (SLURM numbers jobs anew after its state is reset, and at MaxJobId); it is "
+        f"left as it is; job {job_id} cancelled\n"
+    )
+    assert cluster.job_state(job_id) == "CANCELLED"
+    assert {path.name: path.read_bytes() for path in earlier.iterdir()} == before
+    assert sorted(path.name for path in (tmp_path / "runs").iterdir()) == [earlier.name]
+
+
+def test_a_run_folder_taken_over_by_a_newer_job_is_not_continued(
+    cluster, default_project: Path, tmp_path: Path
+) -> None:
+    """Two jobs for one --run-dir: the newer one owns it (its token in launch-job.txt), so
+    the older one, started (as a requeued job would be) after the newer was submitted,
+    cancels itself before training, one line in its log saying why."""
+    run_dir = tmp_path / "run"
+    environ = launch_env(cluster, default_project)
+    later = ("--gpus-per-node", "0", "--run-dir", str(run_dir), "--sbatch=--begin=now+600")
+    jobs = []
+    for _ in range(2):
+        submitted = run_module(
+            default_project, LAUNCH, "slurm", *later, "--", *ARGS, env=environ, cwd=tmp_path
+        )
+        assert submitted.returncode == 0, submitted.stderr
+        jobs.append(submitted_job(submitted.stdout)[0])
+    older, newer = jobs
+    owner = (run_dir / "launch-job.txt").read_text()
+    assert f"\njob={newer}\ncluster=tests\n" in owner, owner
+    cluster.run("scontrol", "update", f"JobId={older}", "StartTime=now")
+    cluster.wait_for(f"job {older} ended", lambda: cluster.job_state(older) == "CANCELLED", 60)
+    log = (run_dir / f"slurm-{older}.out").read_text()
+    assert (
+        f"launch: {run_dir}/launch-job.txt does not hold this submission's token: the folder "
+        f"is another job's; job {older} cancelled, the folder left as it is\n"
+    ) in log, log
+    assert not (run_dir / "latest.pt").exists(), log
+    assert (run_dir / "launch-job.txt").read_text() == owner
+    assert cluster.job_state(newer) == "PENDING"
+    cluster.run("scancel", str(newer))
+
+
+def wrapper(folder: Path, body: str) -> Path:
+    """``folder`` (made) holding an ``sbatch`` that runs the real one as ``body`` says."""
+    folder.mkdir()
+    real = shutil.which("sbatch")
+    assert real is not None
+    script = folder / "sbatch"
+    script.write_text(f"#!/bin/sh\n{body.format(sbatch=shlex.quote(real))}\n")
+    script.chmod(0o755)
+    return folder
+
+
+def test_sbatch_answers_with_more_than_the_job_id(
+    cluster, default_project: Path, tmp_path: Path
+) -> None:
+    """A site's sbatch wrapper that prints a line of its own before sbatch's answer: the
+    job id is found, the job released, nothing left held. One that prints no job id at
+    all: one line with what it printed, nothing cancelled (no job it could name), the
+    script and folders made for the job removed; the job it queued stays held."""
+    chatty = wrapper(
+        tmp_path / "chatty",
+        'echo "sbatch: partition debug is billed per CPU hour"\nexec {sbatch} "$@"',
+    )
+    work = tmp_path / "work"
+    work.mkdir()
+    args = ("slurm", "--gpus-per-node", "0", "--sbatch=--begin=now+600")
+    submitted = run_module(
+        default_project, LAUNCH, *args, env=launch_env(cluster, default_project, chatty), cwd=work
+    )
+    assert submitted.returncode == 0, submitted.stderr
+    job_id, run_dir = submitted_job(submitted.stdout)
+    shown = cluster.run("scontrol", "show", "job", str(job_id)).stdout
+    assert re.search(r"\bJobState=PENDING Reason=BeginTime\b", shown), shown  # not held
+    assert sorted(path.name for path in run_dir.iterdir()) == [
+        "launch-job.txt",
+        f"slurm-{job_id}.sbatch",
+    ]
+    cluster.run("scancel", str(job_id))
+
+    quiet = wrapper(tmp_path / "quiet", '{sbatch} "$@" >/dev/null && echo "sbatch: accepted"')
+    work = tmp_path / "quiet-work"
+    work.mkdir()
+    refused = run_module(
+        default_project, LAUNCH, *args, env=launch_env(cluster, default_project, quiet), cwd=work
+    )
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert refused.stderr == (
+        f"python -m {LAUNCH} slurm: error: sbatch's answer names no job id: 'sbatch: accepted\\n' "
+        "(expected ID, ID;CLUSTER or 'Submitted batch job ID'); nothing cancelled\n"
+    )
+    assert list(work.iterdir()) == []
+    held = cluster.run(
+        "squeue", "--noheader", "--states=PENDING", "--format=%i %r", f"--name={DEFAULT_PACKAGE}"
+    ).stdout.split()
+    assert len(held) == 2, held
+    assert held[1] == "JobHeldUser", held
+    cluster.run("scancel", held[0])
+
+
+def test_a_job_that_cannot_be_released_is_cancelled_and_its_folder_removed(
+    cluster, default_project: Path, tmp_path: Path
+) -> None:
+    """``scontrol release`` refused after the run folder was made and the script moved
+    in: the held job is cancelled, and the run folder and ``runs`` made for it removed."""
+    folder = tmp_path / "refusing"
+    folder.mkdir()
+    real = shutil.which("scontrol")
+    assert real is not None
+    scontrol = folder / "scontrol"
+    scontrol.write_text(
+        '#!/bin/sh\nif [ "$1" = release ]; then\n'
+        '    echo "Access/permission denied for job $2" >&2\n    exit 1\nfi\n'
+        f'exec {shlex.quote(real)} "$@"\n'
+    )
+    scontrol.chmod(0o755)
+    work = tmp_path / "work"
+    work.mkdir()
+    refused = run_module(
+        default_project, LAUNCH, "slurm", "--gpus-per-node", "0",
+        env=launch_env(cluster, default_project, folder), cwd=work,
+    )  # fmt: skip
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    match = re.fullmatch(
+        rf"python -m {LAUNCH} slurm: error: scontrol release (\d+) failed: Access/permission "
+        r"denied for job (\d+); job (\d+) cancelled\n",
+        refused.stderr,
+    )
+    assert match is not None, refused.stderr
+    assert len(set(match.groups())) == 1, refused.stderr
+    assert cluster.job_state(int(match[1])) == "CANCELLED"
+    assert list(work.iterdir()) == []

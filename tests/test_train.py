@@ -26,7 +26,6 @@ from conftest import DEFAULT_PACKAGE, module_environment
 from training import (
     EPOCHS,
     SMALL,
-    TRAIN,
     assert_bitwise_equal,
     checkpoint,
     metrics,
@@ -35,7 +34,6 @@ from training import (
     torchrun,
     train,
     train_in_background,
-    uninterrupted,
     usage_error,
     wait_for_line,
 )
@@ -50,12 +48,6 @@ KILL_AT_CHECKPOINT = 5
 # d538a18): the run of `reference` (SMALL, 3 epochs) with --checkpoint-every 10, SIGKILLed
 # after its 5th checkpoint: epoch 1 done, 8 steps into epoch 2, 40 steps in all.
 FORMAT_3 = Path(__file__).parent / "data" / "format3-epoch1-step8.pt"
-
-
-@pytest.fixture(scope="module")
-def reference(default_project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The uninterrupted run the interrupted ones are compared with (no workers)."""
-    return uninterrupted(default_project, tmp_path_factory.mktemp("reference"))
 
 
 def test_one_epoch(default_project: Path, tmp_path: Path) -> None:
@@ -241,7 +233,11 @@ def test_kill_during_checkpoint_write_leaves_latest_intact(
     assert resumed.stderr.splitlines()[0] == (
         f"removed {partial}, an incomplete checkpoint of a killed run"
     )
-    assert sorted(path.name for path in runs.iterdir()) == ["latest.pt", "metrics.csv"]
+    assert sorted(path.name for path in runs.iterdir()) == [
+        "latest.pt",
+        "metrics.csv",
+        "previous.pt",
+    ]
     assert_bitwise_equal(checkpoint(runs), checkpoint(reference))
     assert reproducible(metrics(runs)) == reproducible(metrics(reference))
 
@@ -262,7 +258,7 @@ def test_a_format_3_checkpoint_still_resumes(
     assert resumed.stdout.splitlines()[0] == (
         f"resumed {run} at epoch 2, step 8/32 (step 40 of the run)"
     )
-    assert checkpoint(run)["format"] == 4
+    assert checkpoint(run)["format"] == 5
     assert_bitwise_equal(checkpoint(run), checkpoint(reference))
 
 
@@ -272,21 +268,6 @@ def test_resume_when_already_done(default_project: Path, tmp_path: Path) -> None
     again = train(default_project, *args, "--resume")
     assert again.returncode == 0
     assert again.stdout == f"{tmp_path / 'latest.pt'} has already trained 1 epochs; nothing to do\n"
-
-
-@pytest.fixture
-def train_module(default_project: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.syspath_prepend(str(default_project / "src"))
-    return importlib.import_module(TRAIN)
-
-
-@pytest.fixture
-def finished_run(tmp_path: Path, default_project: Path) -> Path:
-    """The folder of a finished 1-epoch run with ``SMALL``."""
-    directory = tmp_path / "finished"
-    result = train(default_project, *SMALL, "--epochs", "1", "--run-dir", str(directory))
-    assert result.returncode == 0, result.stderr
-    return directory
 
 
 @pytest.mark.parametrize(
@@ -344,13 +325,20 @@ def test_tensorboard_without_the_package(
 
 
 def test_default_run_folder_is_new_for_each_run(train_module, monkeypatch, tmp_path) -> None:
+    """Created exclusively: a folder of that name made by anyone, a moment before, is
+    never shared; -2, -3... follow."""
     monkeypatch.chdir(tmp_path)
     now = train_module.datetime(2026, 12, 1, 9, 30, 5)
-    assert train_module.default_run_dir(now) == Path("runs/2026-12-01_09-30-05")
-    Path("runs/2026-12-01_09-30-05").mkdir(parents=True)
-    assert train_module.default_run_dir(now) == Path("runs/2026-12-01_09-30-05-2")
-    Path("runs/2026-12-01_09-30-05-2").mkdir()
-    assert train_module.default_run_dir(now) == Path("runs/2026-12-01_09-30-05-3")
+    assert train_module.default_run_dir(now, create=False) == Path("runs/2026-12-01_09-30-05")
+    assert train_module.default_run_dir(now, create=True) == Path("runs/2026-12-01_09-30-05")
+    assert Path("runs/2026-12-01_09-30-05").is_dir()
+    assert train_module.default_run_dir(now, create=True) == Path("runs/2026-12-01_09-30-05-2")
+    Path("runs/2026-12-01_09-30-05-3").symlink_to(tmp_path)  # planted: not a folder to use
+    assert train_module.default_run_dir(now, create=True) == Path("runs/2026-12-01_09-30-05-4")
+    assert sorted(path.name for path in Path("runs").iterdir()) == [
+        "2026-12-01_09-30-05", "2026-12-01_09-30-05-2", "2026-12-01_09-30-05-3",
+        "2026-12-01_09-30-05-4",
+    ]  # fmt: skip
 
 
 def test_cuda_device_without_gpu(train_module, capsys) -> None:
@@ -410,11 +398,11 @@ def test_corrupt_checkpoint(train_module, capsys, finished_run: Path) -> None:
 def test_checkpoint_of_another_format_is_refused(train_module, capsys, finished_run: Path) -> None:
     latest = finished_run / "latest.pt"
     state = torch.load(latest, weights_only=True)
-    assert state["format"] == 4  # resumes are tested with this one (and format 3)
+    assert state["format"] == 5  # resumes are tested with this one (and formats 3, 4)
     torch.save({**state, "format": 2}, latest)
     assert usage_error(train_module, capsys, *resume(finished_run)) == (
         f"argument --resume: {latest} was written by another version of this training "
-        "command (checkpoint format 2; this one reads formats 3 and 4): start a new --run-dir"
+        "command (checkpoint format 2; this one reads formats 3, 4 and 5): start a new --run-dir"
     )
 
 

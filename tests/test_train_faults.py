@@ -13,9 +13,7 @@ exit status 1.
 
 from __future__ import annotations
 
-import importlib
 import os
-import shutil
 import sys
 from pathlib import Path
 
@@ -23,34 +21,9 @@ import pytest
 import torch
 from conftest import module_environment
 from filesystems import FILL, READ_ONLY, SMALL_DISK, in_private_mounts
-from training import SMALL, TRAIN, checkpoint, plant, train, usage_error
+from training import SMALL, TRAIN, checkpoint, plant, resume, train, usage_error
 
 PREFIX = f"python -m {TRAIN}: error: "
-
-
-@pytest.fixture
-def train_module(default_project: Path, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.syspath_prepend(str(default_project / "src"))
-    return importlib.import_module(TRAIN)
-
-
-@pytest.fixture(scope="module")
-def one_epoch(default_project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A finished 1-epoch run with SMALL, made once."""
-    directory = tmp_path_factory.mktemp("one-epoch") / "run"
-    result = train(default_project, *SMALL, "--epochs", "1", "--run-dir", str(directory))
-    assert result.returncode == 0, result.stderr
-    return directory
-
-
-@pytest.fixture
-def finished_run(tmp_path: Path, one_epoch: Path) -> Path:
-    """This test's own copy of `one_epoch`."""
-    return Path(shutil.copytree(one_epoch, tmp_path / "finished"))
-
-
-def resume(directory: Path) -> tuple[str, ...]:
-    return (*SMALL, "--epochs", "2", "--resume", "--run-dir", str(directory))
 
 
 def contents(directory: Path) -> dict[str, bytes]:
@@ -210,7 +183,8 @@ def test_a_checkpoint_without_its_run_entry(train_module, capsys, finished_run: 
     latest = finished_run / "latest.pt"
     state = torch.load(latest, weights_only=True)
     del state["run"]  # no tensor in it: the checksums still hold
-    torch.save(state, latest)
+    with latest.open("wb") as file:
+        train_module._checkpoint.write(state, file)  # with its digest, as train writes it
     assert usage_error(train_module, capsys, *resume(finished_run)) == (
         f"argument --resume: {latest} has no 'run' entry: it is not complete"
     )
@@ -218,12 +192,12 @@ def test_a_checkpoint_without_its_run_entry(train_module, capsys, finished_run: 
 
 def test_spoiled_random_generator_state(train_module, capsys, finished_run: Path) -> None:
     """A word of Python's Mersenne Twister state out of range (``random.setstate`` raised
-    OverflowError): in a checkpoint with checksums, the checksum names it; in one without
-    (format 3), the state check does."""
+    OverflowError): in a checkpoint with checksums (format 4), the checksum names it; in
+    one without (format 3), the state check does."""
     latest = finished_run / "latest.pt"
     state = torch.load(latest, weights_only=True)
     state["processes"][0]["rng"]["python"]["words"][5] = -1
-    torch.save(state, latest)
+    torch.save({**state, "format": 4}, latest)  # checksums, no digest
     message = usage_error(train_module, capsys, *resume(finished_run))
     assert message.startswith(
         f"argument --resume: {latest} is damaged: tensor processes.0.rng.python.words does "

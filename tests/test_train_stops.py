@@ -14,7 +14,7 @@ sends SIGTERM to ``torchrun`` itself from outside, as ``docker stop`` or SLURM w
 
 from __future__ import annotations
 
-import shlex
+import re
 import signal
 import socket
 import subprocess
@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 from conftest import module_environment, run_module
 from training import (
+    AFTER_STEP,
     EPOCHS,
     SMALL,
     TRAIN,
@@ -32,37 +33,14 @@ from training import (
     metrics,
     plant,
     reproducible,
+    run_printed,
     torchrun,
     train,
     train_in_background,
-    uninterrupted,
     wait_for_line,
 )
 
 STEPS = 32  # an epoch of SMALL
-
-SIGNAL_AFTER_STEP = """
-    import os
-    import signal
-
-    from torch.optim.optimizer import register_optimizer_step_post_hook
-
-    steps = 0
-
-
-    def after_step(optimizer, args, kwargs):
-        # $SIGNAL to this process after its $SIGNAL_AFTER_STEP-th step (in the process of
-        # rank $SIGNAL_RANK under torchrun).
-        global steps
-        steps += 1
-        if steps == int(os.environ["SIGNAL_AFTER_STEP"]) and os.environ.get(
-            "RANK", "0"
-        ) == os.environ.get("SIGNAL_RANK", "0"):
-            os.kill(os.getpid(), getattr(signal, os.environ["SIGNAL"]))
-
-
-    register_optimizer_step_post_hook(after_step)
-"""
 
 # Then, while torch.save writes the checkpoint of the stop, a SIGTERM and a SIGINT after
 # every chunk it writes.
@@ -73,7 +51,7 @@ SIGNALS_DURING_THE_WRITE = """
 
 
     def save(obj, file, *args, **kwargs):
-        if steps >= int(os.environ["SIGNAL_AFTER_STEP"]):
+        if steps >= int(os.environ["AFTER_STEP"]):
             write = file.write
 
             def write_and_signal(data):
@@ -88,29 +66,6 @@ SIGNALS_DURING_THE_WRITE = """
 
     torch.save = save
 """
-
-
-@pytest.fixture(scope="module")
-def reference(default_project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An uninterrupted run of 3 epochs with SMALL."""
-    return uninterrupted(default_project, tmp_path_factory.mktemp("reference"))
-
-
-def run_printed(project: Path, command: str, **variables: str):
-    """Run the command a stopped run printed, as printed (``python -m`` or ``torchrun``)."""
-    words = shlex.split(command)
-    launcher = {
-        "python": [sys.executable],
-        "torchrun": [sys.executable, "-m", "torch.distributed.run"],
-    }
-    return subprocess.run(
-        [*launcher[words[0]], *words[1:]],
-        env=module_environment(project, **variables),
-        cwd=project,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 @pytest.mark.parametrize(
@@ -135,9 +90,9 @@ def test_stopped_by_a_signal_then_resumed_is_bitwise_equal(
 ) -> None:
     run = tmp_path / "run"
     args = (*SMALL, "--epochs", EPOCHS, "--workers", workers, "--run-dir", str(run))
-    stopper = plant(tmp_path / "plant", SIGNAL_AFTER_STEP)
+    stopper = plant(tmp_path / "plant", AFTER_STEP)
     environ = module_environment(
-        default_project, path=(stopper,), SIGNAL=name, SIGNAL_AFTER_STEP=str(after)
+        default_project, path=(stopper,), AFTER_STEP_DO=name, AFTER_STEP=str(after)
     )
     stopped = train(default_project, *args, env=environ)
     assert stopped.returncode == 128 + getattr(signal, name), stopped.stderr
@@ -153,7 +108,8 @@ def test_stopped_by_a_signal_then_resumed_is_bitwise_equal(
         f"resume with: python -m {TRAIN} --device cpu --batch-size 32 --epochs {EPOCHS} "
         f"--samples 1024{workers_flag} --run-dir {run} --resume"
     )
-    assert sorted(path.name for path in run.iterdir()) == ["latest.pt", "metrics.csv"]
+    kept = ["previous.pt"] if after > STEPS else []  # the checkpoint of an earlier step
+    assert sorted(path.name for path in run.iterdir()) == ["latest.pt", "metrics.csv", *kept]
 
     resumed = run_printed(default_project, command.removeprefix("resume with: "))
     assert resumed.returncode == 0, resumed.stderr
@@ -169,9 +125,9 @@ def test_signals_during_the_checkpoint_write_change_nothing(
     writes of that step's checkpoint: the first signal stands, the checkpoint is whole."""
     run = tmp_path / "run"
     args = (*SMALL, "--epochs", EPOCHS, "--run-dir", str(run))
-    stopper = plant(tmp_path / "plant", SIGNAL_AFTER_STEP + SIGNALS_DURING_THE_WRITE)
+    stopper = plant(tmp_path / "plant", AFTER_STEP + SIGNALS_DURING_THE_WRITE)
     environ = module_environment(
-        default_project, path=(stopper,), SIGNAL="SIGTERM", SIGNAL_AFTER_STEP="40"
+        default_project, path=(stopper,), AFTER_STEP_DO="SIGTERM", AFTER_STEP="40"
     )
     stopped = train(default_project, *args, env=environ)
     assert stopped.returncode == 128 + signal.SIGTERM, stopped.stderr
@@ -219,10 +175,10 @@ def test_torchrun_processes_stop_at_the_same_step(default_project: Path, tmp_pat
     assert result.returncode == 0, result.stderr
 
     # SIGUSR1 to rank 1 alone, after its step 5: both stop after step 6 of 8.
-    stopper = plant(tmp_path / "stopper", SIGNAL_AFTER_STEP)
+    stopper = plant(tmp_path / "stopper", AFTER_STEP)
     stopped = torchrun(
         default_project, *args, "--run-dir", str(alone), path=(stopper,),
-        SIGNAL="SIGUSR1", SIGNAL_AFTER_STEP="5", SIGNAL_RANK="1",
+        AFTER_STEP_DO="SIGUSR1", AFTER_STEP="5", AFTER_STEP_RANK="1",
     )  # fmt: skip
     assert stopped.returncode != 0  # torchrun reports its processes' 138 as a failure
     assert f"stopped by SIGUSR1 at epoch 1, step 6/8 (step 6 of the run); checkpoint {alone}" in (
@@ -308,11 +264,15 @@ def test_one_train_per_run_folder(default_project: Path, tmp_path: Path, referen
         before = {path.name: path.read_bytes() for path in run.iterdir()}
         second = run_module(default_project, TRAIN, *args)
         assert second.returncode == 1
-        assert second.stderr == (
-            f"python -m {TRAIN}: error: {run} is being written by another process (PID "
-            f"{holder.pid} on {socket.gethostname()}; it holds {run / '.lock'}): wait for it "
-            "to end, or use another folder\n"
-        )
+        assert re.fullmatch(
+            re.escape(
+                f"python -m {TRAIN}: error: {run} is being written by another process (PID "
+                f"{holder.pid} on {socket.gethostname()}, which has held {run / '.lock'} for "
+            )
+            + r"0 min \d+ s"
+            + re.escape("): wait for it to end, or use another folder\n"),
+            second.stderr,
+        ), second.stderr
         assert {path.name: path.read_bytes() for path in run.iterdir()} == before
     finally:
         holder.kill()
@@ -322,5 +282,9 @@ def test_one_train_per_run_folder(default_project: Path, tmp_path: Path, referen
     resumed = train(default_project, *args)
     assert resumed.returncode == 0, resumed.stderr
     assert resumed.stderr.startswith("removed ")  # the killed run's temporary checkpoint
-    assert sorted(path.name for path in run.iterdir()) == ["latest.pt", "metrics.csv"]
+    assert sorted(path.name for path in run.iterdir()) == [
+        "latest.pt",
+        "metrics.csv",
+        "previous.pt",
+    ]
     assert_bitwise_equal(checkpoint(run), checkpoint(reference))

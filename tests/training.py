@@ -4,6 +4,9 @@ reading what it wrote, and comparing two runs bit for bit."""
 from __future__ import annotations
 
 import csv
+import importlib
+import shlex
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -17,6 +20,33 @@ TRAIN = f"{DEFAULT_PACKAGE}.train"
 # Small enough for seconds per run, large enough for several steps per epoch (32).
 SMALL = ("--device", "cpu", "--samples", "1024", "--batch-size", "32")
 EPOCHS = "3"
+
+
+# A ``sitecustomize`` (see `plant`): after this process's $AFTER_STEP-th optimizer step
+# (in the process of rank $AFTER_STEP_RANK under torchrun, default 0), $AFTER_STEP_DO:
+# a signal's name, sent to this process, or ``raise``, a RuntimeError from the step.
+AFTER_STEP = """
+    import os
+    import signal
+
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    steps = 0
+
+
+    def after_step(optimizer, args, kwargs):
+        global steps
+        steps += 1
+        if steps == int(os.environ["AFTER_STEP"]) and os.environ.get(
+            "RANK", "0"
+        ) == os.environ.get("AFTER_STEP_RANK", "0"):
+            if os.environ["AFTER_STEP_DO"] == "raise":
+                raise RuntimeError("planted fault in the optimizer step")
+            os.kill(os.getpid(), getattr(signal, os.environ["AFTER_STEP_DO"]))
+
+
+    register_optimizer_step_post_hook(after_step)
+"""
 
 
 def train(project: Path, *args: str, env: dict[str, str] | None = None):
@@ -110,3 +140,57 @@ def torchrun(project: Path, *args: str, path: tuple[Path, ...] = (), **variables
     )
     command = ("torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", TRAIN)
     return run_module(project, *command, *args, env=environ)
+
+
+def run_printed(project: Path, command: str, **variables: str):
+    """Run the command a stopped run printed, as printed (``python -m`` or ``torchrun``)."""
+    words = shlex.split(command)
+    launcher = {
+        "python": [sys.executable],
+        "torchrun": [sys.executable, "-m", "torch.distributed.run"],
+    }
+    return subprocess.run(
+        [*launcher[words[0]], *words[1:]],
+        env=module_environment(project, **variables),
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+# Fixtures of the tests of train (registered in conftest.py with pytest_plugins).
+
+
+@pytest.fixture
+def train_module(default_project: Path, monkeypatch: pytest.MonkeyPatch):
+    """The default project's train module, imported in this process."""
+    monkeypatch.syspath_prepend(str(default_project / "src"))
+    return importlib.import_module(TRAIN)
+
+
+@pytest.fixture(scope="module")
+def reference(default_project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The uninterrupted run of SMALL for EPOCHS epochs that interrupted ones are
+    compared with (no workers)."""
+    return uninterrupted(default_project, tmp_path_factory.mktemp("reference"))
+
+
+@pytest.fixture(scope="module")
+def one_epoch(default_project: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A finished 1-epoch run with SMALL, made once."""
+    directory = tmp_path_factory.mktemp("one-epoch") / "run"
+    result = train(default_project, *SMALL, "--epochs", "1", "--run-dir", str(directory))
+    assert result.returncode == 0, result.stderr
+    return directory
+
+
+@pytest.fixture
+def finished_run(tmp_path: Path, one_epoch: Path) -> Path:
+    """This test's own copy of `one_epoch`."""
+    return Path(shutil.copytree(one_epoch, tmp_path / "finished"))
+
+
+def resume(directory: Path) -> tuple[str, ...]:
+    """The arguments that resume a SMALL run in ``directory`` for a second epoch."""
+    return (*SMALL, "--epochs", "2", "--resume", "--run-dir", str(directory))

@@ -1,47 +1,68 @@
 """Training checkpoints: what one holds (`TrainingState`), written so that a kill at any
-moment cannot corrupt it, and read back only once it has passed every check.
+moment cannot corrupt it, and read back only once every byte and every value in it
+has passed its check.
 
 Writing (`BackgroundSaver`): ``torch.save`` into an `AtomicFile` beside ``latest.pt``
 (a temporary file with a random name, created exclusively), then, in a thread while
-training goes on, ``fsync`` and the rename over ``latest.pt``: a rename within one file
-system is atomic, so ``latest.pt`` is always either the previous complete checkpoint or
-the new complete one. A kill during the write leaves at most a stray temporary file,
-which the next start removes (`_files.remove_incomplete`); a full disk leaves nothing.
+training goes on, ``fsync``, ``previous.pt`` made a second name of the current
+``latest.pt``, and the rename over ``latest.pt`` (see `AtomicFile.commit`): at every
+instant ``latest.pt`` is a complete checkpoint, the last or the new one, and from the
+second checkpoint on ``previous.pt`` is the one before, so a ``latest.pt`` damaged later
+(a disk, a copy) leaves a generation to resume from. A kill during the write leaves at
+most a stray temporary file, which the next start removes (`_files.remove_incomplete`);
+a full disk leaves nothing.
 
-Reading (`load`) refuses, with one line naming the file and the entry (`CheckpointError`):
-a file that is not the zip archive ``torch.save`` writes; one whose pickle names Python
-objects that loading would create or call (found by reading the pickle without running
-it; ``torch.load(weights_only=True)`` never runs code either); another format; an entry
-missing or of the wrong type; a tensor whose bytes differ from the CRC-32 written with
-it (a disk, a copy or an editor changed them); random number generator states that
-cannot be set. `check_fits` then compares the weights' names and shapes with the model.
+Integrity (format 5): after ``torch.save`` comes a SHA-256 digest of every byte of the
+file, in the zip archive's comment (`_digest`), and `load` checks it before anything
+in the file is unpickled, so a change anywhere (the pickle of the positions, settings
+and optimizer hyperparameters, a tensor, the zip's own headers, the digest) is
+refused. Each tensor also carries a CRC-32 (the ``checksums`` entry), which names the
+tensor when the damage is in one. The digest is for accidents, not attacks: whoever
+can write the file can write a matching digest. Against attacks, checkpoints are read
+as data: a pickle that names Python objects that loading would create or call is
+refused (found by reading it without running it; ``torch.load(weights_only=True)``
+never runs code either). Checkpoints of earlier versions still resume, with a warning
+(`UNVERIFIED`): format 4 (no digest: its tensors are verified, not its other entries)
+and format 3 (no checksums either).
 
-The checksums are for accidents, not attacks: whoever can write the file can write a
-matching checksum. Format 4 is format 3 plus the ``checksums`` entry: a format-3
-checkpoint still resumes, unverified, and `load` says so (``TrainingState.format``).
+Reading (`load`) refuses, with one line naming the file and the entry or the part
+(`CheckpointError`): a file that is not the zip archive ``torch.save`` writes; bytes
+that differ from the digest; a pickle that would run code; another format; an entry
+missing, of the wrong type or out of range (`_LAYOUT`: positions are counts, Adam's
+hyperparameters numbers in their ranges and flags booleans, the weights' names
+strings); positions or process states that do not fit together; random number
+generator states that cannot be set. `check_fits` then compares the weights' names,
+shapes and types with the model.
 """
 
 from __future__ import annotations
 
 import ctypes
+import math
 import pickle
 import random
 import threading
+import warnings
 import zipfile
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, get_type_hints
+from typing import Any, BinaryIO, NoReturn, get_type_hints
 
 import torch
 import torch.utils._pytree as pytree
 
-from ._command import CommandError
+from . import _digest
+from ._command import CommandError, first_line
+from ._digest import DigestCheck, DigestWriter
 from ._files import AtomicFile
 
 __all__ = [
     "FORMAT",
     "LATEST",
+    "PREVIOUS",
+    "UNVERIFIED",
     "BackgroundSaver",
     "CheckpointError",
     "Position",
@@ -52,11 +73,20 @@ __all__ = [
     "load",
     "rng_state",
     "set_rng_state",
+    "write",
 ]
 
-FORMAT = 4
-UNVERIFIED_FORMAT = 3  # format 4 without the checksums: read, but not verified
+FORMAT = 5
+TENSORS_VERIFIED_FORMAT = 4  # format 5 without the digest
+UNVERIFIED_FORMAT = 3  # format 4 without the checksums
+# What `load` could not verify in a checkpoint of an earlier format, by format.
+UNVERIFIED = {
+    TENSORS_VERIFIED_FORMAT: "it has no digest, so only its tensors are verified (by their "
+    "CRC-32), not its positions, settings or optimizer hyperparameters",
+    UNVERIFIED_FORMAT: "it has no checksums, so its tensors are not verified",
+}
 LATEST = "latest.pt"
+PREVIOUS = "previous.pt"  # the checkpoint before latest.pt (see BackgroundSaver)
 # Only the user may read a checkpoint: it is the model, and folders are often shared.
 MODE = 0o600
 
@@ -109,29 +139,143 @@ class TrainingState:
     optimizer: dict[str, Any]
     scaler: dict[str, Any] | None  # fp16's torch.amp.GradScaler
     processes: list[ProcessState]  # indexed by rank
-    format: int = FORMAT  # as read; UNVERIFIED_FORMAT has no checksums
+    format: int = FORMAT  # as read; see UNVERIFIED for the earlier ones
 
 
 _NONE = type(None)
 _NUMBER = (int, float)
-# The entries of a checkpoint and their types, checked before anything is used.
+
+
+@dataclass(frozen=True)
+class _Value:
+    """The values an entry may have: an instance of one of ``kinds`` that passes ``test``
+    (a bool only where ``kinds`` lists bool: to Python, True is an int); ``allowed``
+    says which, in a refusal."""
+
+    kinds: tuple[type, ...]
+    allowed: str
+    test: Callable[[Any], bool] = lambda value: True
+
+    def of_kind(self, value: Any) -> bool:
+        if isinstance(value, bool) and bool not in self.kinds:
+            return False
+        return isinstance(value, self.kinds)
+
+    def admits(self, value: Any) -> bool:
+        return self.of_kind(value) and self.test(value)
+
+
+@dataclass(frozen=True)
+class _Each:
+    """A dict whose keys are not fixed: each key is a ``key``, each value fits ``value``."""
+
+    key: _Value
+    value: Any
+
+
+@dataclass(frozen=True)
+class _Optional:
+    """A dict entry that may be missing (torch sets its default), or fits ``layout``."""
+
+    layout: Any
+
+
+@dataclass(frozen=True)
+class _NoneOr:
+    """None, or a value that fits ``layout``."""
+
+    layout: Any
+
+
+def _finite(test: Callable[[float], bool]) -> Callable[[Any], bool]:
+    return lambda value: math.isfinite(value) and test(value)
+
+
+_COUNT = _Value((int,), "a whole number from 0", lambda value: value >= 0)
+_POSITIVE_COUNT = _Value((int,), "a whole number from 1", lambda value: value >= 1)
+_POSITIVE = _Value(_NUMBER, "a finite number above 0", _finite(lambda value: value > 0))
+_NON_NEGATIVE = _Value(_NUMBER, "a finite number from 0", _finite(lambda value: value >= 0))
+_FLAG = _Value((bool,), "True or False")
+_FLAG_OR_NONE = _Value((bool, _NONE), "True, False or None")
+_NAME = _Value((str,), "a name (a string)")
+_TENSOR = _Value((torch.Tensor,), "a tensor")
+_BETAS = _Value(
+    (tuple, list),
+    "two numbers from 0 up to (not including) 1",
+    lambda pair: (
+        len(pair) == 2
+        and all(_Value(_NUMBER, "", _finite(lambda beta: 0 <= beta < 1)).admits(b) for b in pair)
+    ),
+)
+# RunSettings as train's command line allows them (precision: a short name to print).
+_RUN = {
+    "seed": _Value((int,), "a whole number from 0 to 2**63-1", lambda value: 0 <= value < 2**63),
+    "samples": _POSITIVE_COUNT,
+    "batch_size": _POSITIVE_COUNT,
+    "lr": _POSITIVE,
+    "noise": _NON_NEGATIVE,
+    "precision": _Value(
+        (str,),
+        "a precision's name (such as 32 or bf16)",
+        lambda name: name.isalnum() and len(name) <= 8,
+    ),
+    "world_size": _POSITIVE_COUNT,
+}
+assert _RUN.keys() == get_type_hints(RunSettings).keys()
+# A param group of torch.optim.Adam, the optimizer train builds. The flags torch added
+# over the versions may be missing (Adam's __setstate__ sets their defaults).
+_ADAM_GROUP = {
+    "params": [_COUNT],
+    "lr": _POSITIVE,
+    "betas": _BETAS,
+    "eps": _POSITIVE,
+    "weight_decay": _NON_NEGATIVE,
+    "amsgrad": _FLAG,
+    "maximize": _FLAG,
+    "foreach": _Optional(_FLAG_OR_NONE),
+    "capturable": _Optional(_FLAG),
+    "differentiable": _Optional(_FLAG),
+    "fused": _Optional(_FLAG_OR_NONE),
+    "decoupled_weight_decay": _Optional(_FLAG),
+}
+# torch.amp.GradScaler.state_dict, with the ranges its constructor requires.
+_SCALER = {
+    "scale": _POSITIVE,
+    "growth_factor": _Value(_NUMBER, "a finite number above 1", _finite(lambda value: value > 1)),
+    "backoff_factor": _Value(
+        _NUMBER, "a number between 0 and 1", _finite(lambda value: 0 < value < 1)
+    ),
+    "growth_interval": _POSITIVE_COUNT,
+    "_growth_tracker": _COUNT,
+}
+# The entries of a checkpoint and their values, checked before anything is used.
 _LAYOUT: dict[str, Any] = {
-    "epoch": int,
-    "step": int,
-    "global_step": int,
-    "epoch_seconds": _NUMBER,
-    "loss": (*_NUMBER, _NONE),
-    "run": {
-        name: _NUMBER if kind is float else kind
-        for name, kind in get_type_hints(RunSettings).items()
+    "epoch": _COUNT,
+    "step": _COUNT,
+    "global_step": _COUNT,
+    "epoch_seconds": _NON_NEGATIVE,
+    "loss": _Value(
+        (*_NUMBER, _NONE),
+        "None or a finite number",
+        lambda value: value is None or math.isfinite(value),
+    ),
+    "run": _RUN,
+    "model": _Each(_NAME, _TENSOR),
+    "optimizer": {
+        "state": _Each(
+            _COUNT, _Each(_NAME, _Value((torch.Tensor, *_NUMBER), "a tensor or a number"))
+        ),
+        "param_groups": [_ADAM_GROUP],
     },
-    "model": dict,
-    "optimizer": {"state": dict, "param_groups": [{"params": list}]},
-    "scaler": (dict, _NONE),
+    "scaler": _NoneOr(_SCALER),
     "processes": [
         {
             "rng": {
-                "python": {"version": int, "words": torch.Tensor, "gauss": (float, _NONE)},
+                "python": {
+                    "version": int,
+                    "words": torch.Tensor,
+                    "gauss": (float, _NONE),
+                },
                 "torch": torch.Tensor,
                 "cuda": (torch.Tensor, _NONE),
             },
@@ -139,16 +283,21 @@ _LAYOUT: dict[str, Any] = {
                 "partials": torch.Tensor,
                 "losses": torch.Tensor,
                 "sizes": torch.Tensor,
-                "samples": int,
+                "samples": _COUNT,
             },
         }
     ],
 }
+_CHECKSUMS = _Each(_NAME, _Value((int,), "a CRC-32"))
+_LAYOUTS = {
+    FORMAT: {**_LAYOUT, "checksums": _CHECKSUMS},
+    TENSORS_VERIFIED_FORMAT: {**_LAYOUT, "checksums": _CHECKSUMS},
+    UNVERIFIED_FORMAT: _LAYOUT,
+}
 
 
 def _to_dict(state: TrainingState) -> dict[str, Any]:
-    """The checkpoint as saved: plain entries, every tensor on the CPU, and their checksums
-    (one walk over the entries: the checkpoint is written in the training loop)."""
+    """The checkpoint's entries as saved: plain values, every tensor on the CPU."""
     position = state.position
     entries = {
         "epoch": position.epoch,
@@ -162,10 +311,7 @@ def _to_dict(state: TrainingState) -> dict[str, Any]:
         "scaler": state.scaler,
         "processes": [{"rng": p.rng, "loss": p.loss} for p in state.processes],
     }
-    leaves, layout = pytree.tree_flatten_with_path(entries)
-    on_cpu = [(path, _on_cpu(leaf)) for path, leaf in leaves]
-    data = pytree.tree_unflatten([leaf for _, leaf in on_cpu], layout)
-    return {"format": FORMAT, **data, "checksums": _checksums(on_cpu)}
+    return pytree.tree_map(_on_cpu, entries)
 
 
 def _on_cpu(leaf: Any) -> Any:
@@ -195,9 +341,22 @@ def _checksums(leaves: list[tuple[Any, Any]]) -> dict[str, int]:
     }
 
 
+def write(entries: dict[str, Any], file: BinaryIO | AtomicFile) -> None:
+    """A checkpoint of ``entries`` (tensors on the CPU) into ``file``: ``torch.save`` of
+    them with this format and the checksums of their tensors (``format`` and
+    ``checksums`` among ``entries`` are replaced), then the digest (`_digest`). How
+    every checkpoint is written, one edited by hand included."""
+    content = {key: value for key, value in entries.items() if key not in ("format", "checksums")}
+    checksums = _checksums(pytree.tree_flatten_with_path(content)[0])
+    writer = DigestWriter(file)
+    torch.save({"format": FORMAT, **content, "checksums": checksums}, writer)
+    writer.finish()
+
+
 class BackgroundSaver:
-    """Saves checkpoints so that ``path`` only ever holds a complete one; the wait for the
-    disk (``fsync``, then the rename) runs in a thread.
+    """Saves checkpoints so that ``path`` only ever holds a complete one, and ``PREVIOUS``
+    beside it the one before; the wait for the disk (``fsync``, then the renames) runs
+    in a thread.
 
     ``torch.save`` happens in the caller's thread, so the state is captured before
     training changes it; only the flush to disk, which takes milliseconds and holds
@@ -214,15 +373,15 @@ class BackgroundSaver:
         self.wait()
         data = _to_dict(state)
         with AtomicFile(path, mode=MODE) as target:
-            torch.save(data, target)
+            write(data, target)
         self._pending = threading.Thread(
-            target=self._commit, args=(target,), name="checkpoint-fsync"
+            target=self._commit, args=(target, path.with_name(PREVIOUS)), name="checkpoint-fsync"
         )
         self._pending.start()
 
-    def _commit(self, target: AtomicFile) -> None:
+    def _commit(self, target: AtomicFile, previous: Path) -> None:
         try:
-            target.commit()
+            target.commit(keep_previous=previous)
         except BaseException as error:
             self._error = error
 
@@ -240,55 +399,149 @@ def _unreadable(path: Path, reason: str) -> CheckpointError:
     return CheckpointError(f"{path} is not a readable checkpoint ({reason})")
 
 
+def _damaged(path: Path, problem: str) -> CheckpointError:
+    return CheckpointError(
+        f"{path} is damaged: {problem}; resume from a copy of it, or start a new --run-dir"
+    )
+
+
 def _read(path: Path) -> Any:
-    """``torch.load`` of ``path`` to the CPU, once nothing in it can run code."""
-    if not zipfile.is_zipfile(path):
-        raise _unreadable(path, "not the zip archive torch.save writes: cut short, or another file")
-    try:
-        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
-    except Exception as error:
-        raise _unreadable(path, _first_line(error)) from error
-    if unsafe:
-        raise _unreadable(
-            path,
-            f"its pickle calls or creates Python objects, which a checkpoint never does: "
-            f"{', '.join(sorted(unsafe))}; refused, nothing in it was run",
-        )
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as error:
-        # torch's message goes on to suggest weights_only=False: the one thing not to do.
-        _, found, reason = str(error).partition("WeightsUnpickler error: ")
-        detail = reason.split(". ")[0] if found else "its pickle is damaged"
-        raise _unreadable(path, f"{detail}; refused, nothing in it was run") from None
-    except Exception as error:
-        raise _unreadable(path, _first_line(error)) from error
+    """``torch.load`` of ``path`` to the CPU, once nothing in it can run code; torch's
+    warnings about what it reads are not shown (a refusal says what is wrong)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(path)
+        except Exception as error:
+            raise _unreadable(path, first_line(error)) from error
+        if unsafe:
+            raise _unreadable(
+                path,
+                f"its pickle calls or creates Python objects, which a checkpoint never does: "
+                f"{', '.join(sorted(unsafe))}; refused, nothing in it was run",
+            )
+        try:
+            return torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as error:
+            # torch's message goes on to suggest weights_only=False: the one thing not to do.
+            _, found, reason = str(error).partition("WeightsUnpickler error: ")
+            detail = reason.split(". ")[0] if found else "its pickle is damaged"
+            raise _unreadable(path, f"{detail}; refused, nothing in it was run") from None
+        except Exception as error:
+            raise _unreadable(path, first_line(error)) from error
 
 
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+def _refuse_digest_mismatch(path: Path) -> NoReturn:
+    """`CheckpointError` for a file whose bytes differ from its digest, naming what changed
+    as far as the zip archive's own CRC-32 of each entry tells: the tensor (by its
+    checksum, read once the pickle is known intact), the entry, or the archive's headers
+    or digest. The file is only unpickled when its pickle's CRC-32 matches."""
+    entry = _first_damaged_entry(path)
+    if entry is not None and entry.rpartition("/")[0].endswith("/data"):  # a tensor's bytes
+        data = _read(path)
+        if isinstance(data, dict) and isinstance(data.get("checksums"), dict):
+            _verify(data, path)
+    where = (
+        "in the zip archive's headers or in the digest"
+        if entry is None
+        else f"in its pickle, {entry}"
+        if entry.endswith(".pkl")
+        else f"in its entry {entry}"
+    )
+    raise _damaged(path, f"its bytes differ from the SHA-256 digest written with them ({where})")
+
+
+def _is_zip(path: Path) -> bool:
+    try:
+        return zipfile.is_zipfile(path)
+    except zipfile.BadZipFile:  # is_zipfile raises it for some damaged ends of an archive
+        return False
+
+
+def _first_damaged_entry(path: Path) -> str | None:
+    """The first entry of the zip archive ``path`` that cannot be read or differs from the
+    CRC-32 the archive holds for it; None when every one reads intact (or the archive's
+    directory cannot be read)."""
+    try:
+        archive = zipfile.ZipFile(path)
+    except Exception:  # damaged headers: zipfile raises more kinds than BadZipFile
+        return None
+    with archive:
+        for entry in archive.infolist():
+            try:
+                archive.read(entry)
+            except Exception:
+                return entry.filename
+    return None
+
+
+def _shown(value: Any) -> str:
+    """``value`` as a refusal shows it: its repr, on one line, cut to a readable length."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"{text[:37]}..."
 
 
 def _check_layout(value: Any, layout: Any, where: str, path: Path) -> None:
     """`CheckpointError` naming the first entry of ``value`` that ``layout`` does not allow."""
-    if isinstance(layout, dict):
+    if isinstance(layout, _NoneOr):
+        if value is not None:
+            _check_layout(value, layout.layout, where, path)
+    elif isinstance(layout, dict):
         if not isinstance(value, dict):
             raise CheckpointError(f"{path}: {where} is a {type(value).__name__}, not a dict")
         for key, inner in layout.items():
             name = f"{where}.{key}" if where else key
+            if isinstance(inner, _Optional):
+                if key not in value:
+                    continue
+                inner = inner.layout
             if key not in value:
                 raise CheckpointError(f"{path} has no {name!r} entry: it is not complete")
             _check_layout(value[key], inner, name, path)
+    elif isinstance(layout, _Each):
+        if not isinstance(value, dict):
+            raise CheckpointError(f"{path}: {where} is a {type(value).__name__}, not a dict")
+        for key, item in value.items():
+            if not layout.key.admits(key):
+                raise CheckpointError(
+                    f"{path}: {where} has the key {_shown(key)}, not {layout.key.allowed}"
+                )
+            _check_layout(item, layout.value, f"{where}.{key}", path)
     elif isinstance(layout, list):
         if not isinstance(value, list):
             raise CheckpointError(f"{path}: {where} is a {type(value).__name__}, not a list")
         for index, item in enumerate(value):
             _check_layout(item, layout[0], f"{where}[{index}]", path)
+    elif isinstance(layout, _Value):
+        if not layout.admits(value):
+            shown = _shown(value) if layout.of_kind(value) else f"a {type(value).__name__}"
+            raise CheckpointError(f"{path}: {where} is {shown}, not {layout.allowed}")
     elif not isinstance(value, layout):
         kinds = layout if isinstance(layout, tuple) else (layout,)
         allowed = " or ".join("None" if kind is _NONE else kind.__name__ for kind in kinds)
         raise CheckpointError(f"{path}: {where} is a {type(value).__name__}, not {allowed}")
+
+
+def _check_consistency(data: dict[str, Any], path: Path) -> None:
+    """`CheckpointError` for entries that are each allowed but do not fit together."""
+    if data["global_step"] < data["step"]:
+        raise CheckpointError(
+            f"{path}: global_step is {data['global_step']}, less than step {data['step']} "
+            "(the steps done in the epoch under way, which global_step counts too)"
+        )
+    processes, world_size = data["processes"], data["run"]["world_size"]
+    if len(processes) != world_size:
+        raise CheckpointError(
+            f"{path}: processes holds the states of {len(processes)} processes, and "
+            f"run.world_size is {world_size} (each process's random generators are needed)"
+        )
+    for rank, process in enumerate(processes):
+        loss = process["loss"]
+        if loss["sizes"].shape != loss["losses"].shape or loss["losses"].dim() != 1:
+            raise CheckpointError(
+                f"{path}: processes[{rank}].loss.sizes is {list(loss['sizes'].shape)} and "
+                f"losses {list(loss['losses'].shape)}: one size per loss was written"
+            )
 
 
 def _verify(data: dict[str, Any], path: Path) -> None:
@@ -312,9 +565,7 @@ def _verify(data: dict[str, Any], path: Path) -> None:
             f"written {recorded[first]:08x})"
         )
     others = f" (and {len(damaged) - 1} other tensor(s))" if len(damaged) > 1 else ""
-    raise CheckpointError(
-        f"{path} is damaged: {problem}{others}; resume from a copy of it, or start a new --run-dir"
-    )
+    raise _damaged(path, f"{problem}{others}")
 
 
 def _check_rng(processes: list[dict[str, Any]], path: Path) -> None:
@@ -341,7 +592,7 @@ def _check_rng(processes: list[dict[str, Any]], path: Path) -> None:
             torch.Generator().set_state(process["rng"]["torch"])
         except (RuntimeError, TypeError) as error:
             raise CheckpointError(
-                f"{where}.torch is not a torch generator state ({_first_line(error)})"
+                f"{where}.torch is not a torch generator state ({first_line(error)})"
             ) from None
 
 
@@ -350,21 +601,33 @@ def load(path: Path) -> TrainingState:
     are on the CPU. `CheckpointError` says what is wrong with it."""
     if not path.is_file():
         raise CheckpointError(f"{path} does not exist")
+    if not _is_zip(path):
+        raise _unreadable(path, "not the zip archive torch.save writes: cut short, or another file")
+    try:
+        digest = _digest.check(path)
+    except OSError as error:
+        raise _unreadable(path, error.strerror or str(error)) from None
+    if digest is DigestCheck.DIFFERS:
+        _refuse_digest_mismatch(path)
     data = _read(path)
-    if not isinstance(data, dict) or not isinstance(data.get("format"), int):
+    if not isinstance(data, dict) or not _Value((int,), "").admits(data.get("format")):
         raise CheckpointError(f"{path} is not a checkpoint written by this training command")
-    if data["format"] not in (UNVERIFIED_FORMAT, FORMAT):
+    if data["format"] not in _LAYOUTS:
         raise CheckpointError(
             f"{path} was written by another version of this training command (checkpoint "
-            f"format {data['format']}; this one reads formats {UNVERIFIED_FORMAT} and "
-            f"{FORMAT}): start a new --run-dir"
+            f"format {data['format']}; this one reads formats {UNVERIFIED_FORMAT}, "
+            f"{TENSORS_VERIFIED_FORMAT} and {FORMAT}): start a new --run-dir"
         )
-    layout = _LAYOUT
-    if data["format"] == FORMAT:
-        layout = {**_LAYOUT, "checksums": dict}
-    _check_layout(data, layout, "", path)
-    if data["format"] == FORMAT:
+    if data["format"] == FORMAT and digest is not DigestCheck.MATCHES:
+        raise _damaged(
+            path,
+            "it has no SHA-256 digest, which every checkpoint of its format ends with (it "
+            "was written again by another program, which left it out)",
+        )
+    _check_layout(data, _LAYOUTS[data["format"]], "", path)
+    if data["format"] != UNVERIFIED_FORMAT:
         _verify(data, path)
+    _check_consistency(data, path)
     _check_rng(data["processes"], path)
     return TrainingState(
         position=Position(data["epoch"], data["step"], data["global_step"]),
@@ -381,8 +644,8 @@ def load(path: Path) -> TrainingState:
 
 def check_fits(state: TrainingState, model: torch.nn.Module, path: Path) -> None:
     """`CheckpointError` when ``state`` holds the weights (or optimizer state) of a model
-    other than ``model`` (which may be on the meta device): the first name or shape
-    that differs."""
+    other than ``model`` (which may be on the meta device): the first name, shape or
+    type that differs."""
     expected = model.state_dict()
     name = type(model).__name__
     missing = [key for key in expected if key not in state.model]
@@ -401,6 +664,11 @@ def check_fits(state: TrainingState, model: torch.nn.Module, path: Path) -> None
             raise CheckpointError(
                 f"{path} holds the weights of another model than {name}: {key} is "
                 f"{list(state.model[key].shape)} there and {list(tensor.shape)} here"
+            )
+        if state.model[key].dtype != tensor.dtype:
+            raise CheckpointError(
+                f"{path}: model.{key} is of {state.model[key].dtype}, and {name}'s is of "
+                f"{tensor.dtype}"
             )
     parameters = [parameter.shape for parameter in model.parameters()]
     listed = [index for group in state.optimizer["param_groups"] for index in group["params"]]

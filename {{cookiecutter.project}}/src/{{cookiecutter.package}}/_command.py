@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-__all__ = ["CommandError", "command_name", "reports_errors"]
+__all__ = ["CommandError", "command_name", "first_line", "reports_errors"]
 
 
 class CommandError(Exception):
@@ -24,6 +24,12 @@ class CommandError(Exception):
     """
 
     status = 1
+
+
+def first_line(error: BaseException) -> str:
+    """An exception's message in one line: its first, or the exception's type."""
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def command_name(module: str) -> str:

@@ -14,27 +14,32 @@ many batches that worker has loaded before (persistent workers keep their state
 across epochs, a resumed run starts new ones), then changes nothing. The workers'
 global generators are still seeded (`seed_worker`), for code that uses them, but
 they are not in a checkpoint: randomness from them repeats from a run's start, not
-across a resume. Workers ignore the signals that stop training (`_preemption`): the
-training process stops them.
+across a resume. Workers leave the signals that stop training to the training
+process, and end with it (`_lifetime`); `close` ends them on every way out of training.
 """
 
 from __future__ import annotations
 
 import math
 import random
+import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from ._preemption import ignore_stop_signals
+from ._lifetime import obey_only_parent_sigterm, starting_workers
 
 __all__ = [
     "BatchKey",
     "EpochBatches",
     "InProcessBatches",
     "SyntheticBatches",
+    "WorkerBatches",
+    "close",
+    "dead_workers",
     "loader",
     "seed_worker",
     "start_worker",
@@ -120,8 +125,9 @@ def seed_worker(worker_id: int) -> None:
 
 
 def start_worker(worker_id: int) -> None:
-    """``worker_init_fn``: `seed_worker`, and leave the stop signals to the training process."""
-    ignore_stop_signals()
+    """``worker_init_fn``: `seed_worker`; the worker ends with the training process and
+    leaves the stop signals to it (`_lifetime.obey_only_parent_sigterm`)."""
+    obey_only_parent_sigterm()
     seed_worker(worker_id)
 
 
@@ -149,9 +155,17 @@ class InProcessBatches:
             )
 
 
+class WorkerBatches(DataLoader):
+    """A DataLoader whose workers start with SIGTERM blocked (`_lifetime.starting_workers`)."""
+
+    def __iter__(self) -> Any:
+        with starting_workers():
+            return super().__iter__()
+
+
 def loader(
     dataset: SyntheticBatches, batches: EpochBatches, *, workers: int, seed: int, pin_memory: bool
-) -> DataLoader | InProcessBatches:
+) -> WorkerBatches | InProcessBatches:
     """The batches of ``batches``: from ``workers`` worker processes, or made in this one.
 
     With ``workers`` > 0, a ``DataLoader`` whose sampler yields whole batches (so no
@@ -162,7 +176,7 @@ def loader(
     """
     if workers == 0:
         return InProcessBatches(dataset, batches, pin_memory=pin_memory)
-    return DataLoader(
+    return WorkerBatches(
         dataset,
         sampler=batches,
         batch_size=None,
@@ -172,3 +186,47 @@ def loader(
         worker_init_fn=start_worker,
         generator=torch.Generator().manual_seed(seed),
     )
+
+
+@dataclass(frozen=True)
+class DeadWorker:
+    """A worker process that ended before its loader did, and how."""
+
+    index: int
+    pid: int
+    exitcode: int  # negative: killed by that signal
+
+    def __str__(self) -> str:
+        if self.exitcode < 0:
+            how = f"was killed by {signal.Signals(-self.exitcode).name}"
+            if self.exitcode == -signal.SIGKILL:
+                how += " (the OOM killer's signal: dmesg says if it was memory)"
+        else:
+            how = f"exited with status {self.exitcode}"
+        return f"DataLoader worker {self.index} (pid {self.pid}) {how}"
+
+
+def dead_workers(batches: WorkerBatches | InProcessBatches) -> list[DeadWorker]:
+    """The workers of ``batches`` that have ended while it still runs (read before `close`,
+    which ends the others). DataLoader's own error says "exited unexpectedly" or "is
+    killed by signal", depending on when it noticed."""
+    iterator = getattr(batches, "_iterator", None)
+    found = []
+    for index, process in enumerate(getattr(iterator, "_workers", [])):
+        if process.exitcode not in (None, 0):
+            found.append(DeadWorker(index, process.pid, process.exitcode))
+    return found
+
+
+def close(batches: WorkerBatches | InProcessBatches) -> None:
+    """End ``batches``' worker processes now, whatever state training stopped in.
+
+    A loader with persistent workers keeps its iterator, and a traceback that holds the
+    loop's frame keeps it alive, so its workers would otherwise run until the
+    interpreter's exit handlers end them. DataLoader has no public way to end them:
+    this is what it does itself when its iterator is collected (the workers are told
+    to finish, joined, and sent SIGTERM if they do not within 5 s).
+    """
+    iterator = getattr(batches, "_iterator", None)
+    if iterator is not None and hasattr(iterator, "_shutdown_workers"):
+        iterator._shutdown_workers()

@@ -12,9 +12,12 @@ commands and the pytest plugin write goes through this module:
   whole new one, never a part; ``rename`` replaces a link at the target instead of
   writing through it. On any failure the temporary file is removed, even when closing
   it fails too (a full disk fails the close's last flush), and the target is as it was.
+  A commit can keep the target it replaces under a second name (checkpoints keep
+  ``previous.pt``), with a complete file under the target's name at every instant.
 - `open_to_append` and `read_text` open the target itself with ``O_NOFOLLOW``: a link
   there is refused (with ``O_NONBLOCK`` a planted FIFO cannot hang the open), and so is
-  anything but a regular file.
+  anything but a regular file; a file opened to write with other names (hard links,
+  which ``O_NOFOLLOW`` does not see) is refused too.
 - `FolderLock`: an ``fcntl`` lock on ``.lock`` in a folder, so one process at a time
   writes it; the kernel releases it when the process dies, however it dies.
 
@@ -28,10 +31,12 @@ import contextlib
 import errno
 import fcntl
 import os
+import re
 import secrets
 import socket
 import stat
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
@@ -42,12 +47,16 @@ __all__ = [
     "FileError",
     "FolderInUse",
     "FolderLock",
+    "Holder",
+    "filesystem_type",
     "open_to_append",
     "read_text",
     "remove_incomplete",
     "write_atomically",
 ]
 
+# What os.link raises where a file system has no hard links.
+_NO_HARD_LINKS = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK}
 # Opening a file someone may have replaced: never through a link, never blocking on a FIFO,
 # never leaked into a child process.
 _SAFE_OPEN = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
@@ -137,11 +146,13 @@ class AtomicFile:
     def fileno(self) -> int:
         return self._file.fileno()
 
-    def commit(self, *, durable: bool = True) -> None:
+    def commit(self, *, durable: bool = True, keep_previous: Path | None = None) -> None:
         """Put the content under ``path``; `FileError` (and ``path`` as it was) when that
         fails. ``durable``: on disk first, and the rename too, so that both survive a
         power cut. Without, readers still see the old file or the whole new one, but a
-        power cut may leave the old file, or on some file systems an empty one."""
+        power cut may leave the old file, or on some file systems an empty one.
+        ``keep_previous``: the file ``path`` held (if any) is then under that name, and
+        what was there is gone; ``path`` is a complete file at every instant."""
         try:
             self.flush()
             if durable:
@@ -149,6 +160,8 @@ class AtomicFile:
                 # leave an empty or partial file under the name after a power cut.
                 os.fsync(self._file.fileno())
             self._file.close()
+            if keep_previous is not None:
+                _link_previous(self.path, keep_previous)
             os.replace(self.temporary, self.path)
         except OSError as error:
             self.discard()
@@ -189,6 +202,29 @@ class AtomicFile:
         return FileError(self.path, "write", f"{failure.reason} ({kept})")
 
 
+def _link_previous(path: Path, previous: Path) -> None:
+    """Make ``previous`` a second name of the file at ``path`` (none: nothing to keep).
+
+    A hard link, not a copy or a rename: ``path`` keeps its file until the rename that
+    follows replaces it, so a crash at any point leaves ``path`` complete (the old file
+    or, after the rename, the new one) and ``previous`` either missing, the generation
+    before, or the old file. The old file's bytes were made durable by the commit that
+    put them there, so neither name can point at a partial file after a power cut,
+    whichever of these steps reach the disk (the folder's ``fsync`` after the rename
+    writes both names). ``os.link`` never replaces: what is at ``previous`` goes first.
+    On a file system without hard links (FAT, some FUSE mounts) nothing is kept.
+    """
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(previous)  # a planted link there is removed, never followed
+    try:
+        os.link(path, previous, follow_symlinks=False)
+    except FileNotFoundError:  # the first commit: no file to keep yet
+        pass
+    except OSError as error:
+        if error.errno not in _NO_HARD_LINKS:
+            raise
+
+
 def write_atomically(
     path: Path, data: bytes | str, *, mode: int = 0o666, durable: bool = True
 ) -> None:
@@ -216,9 +252,18 @@ def _open_regular(path: Path, flags: int, action: str) -> int:
         raise
     except OSError as error:
         raise FileError.of(path, action, error) from None
-    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+    status = os.fstat(descriptor)
+    if not stat.S_ISREG(status.st_mode):
         os.close(descriptor)
         raise FileError(path, action, "it is not a regular file")
+    if flags & (os.O_WRONLY | os.O_RDWR) and status.st_nlink != 1:
+        # O_NOFOLLOW stops symbolic links only: a hard link is the target file itself.
+        os.close(descriptor)
+        raise FileError(
+            path, action,
+            f"it has {status.st_nlink} names (hard links), so it may be a file of someone "
+            "else's: nothing was written to it",
+        )  # fmt: skip
     return descriptor
 
 
@@ -242,19 +287,55 @@ def read_text(path: Path) -> str | None:
             raise FileError(path, "read", reason or str(error)) from None
 
 
+# lockf's errors where the filesystem offers no locks at all (Lustre without flock,
+# NFS without its lock service, some FUSE filesystems), not another holder.
+_LOCKS_UNSUPPORTED = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP)
+# The --take-over-lock value that runs without a lock where the filesystem has none.
+UNLOCKED = "unlocked"
+
+
+@dataclass(frozen=True)
+class Holder:
+    """Who holds a `FolderLock`, as it wrote into the lock file: ``PID on HOST``."""
+
+    pid: int
+    host: str
+    since: float  # when it took the lock (the file's modification time)
+
+    def __str__(self) -> str:
+        return f"{self.pid}@{self.host}"
+
+
+def _age(since: float) -> str:
+    seconds = max(0, int(time.time() - since))
+    hours, minutes = divmod(seconds // 60, 60)
+    return f"{hours} h {minutes} min" if hours else f"{minutes} min {seconds % 60} s"
+
+
 class FolderInUse(CommandError):
     """Another process holds a folder's `FolderLock`: its PID and host, where it wrote them."""
 
-    def __init__(self, folder: Path, pid: int | None, host: str | None) -> None:
-        super().__init__(folder, pid, host)
-        self.folder, self.pid, self.host = folder, pid, host
+    def __init__(self, folder: Path, holder: Holder | None) -> None:
+        super().__init__(folder, holder)
+        self.folder, self.holder = folder, holder
 
     def __str__(self) -> str:
-        holder = f"PID {self.pid} on {self.host}" if self.pid else "it did not write its PID"
-        return (
-            f"{self.folder} is being written by another process ({holder}; it holds "
-            f"{self.folder / FolderLock.NAME}): wait for it to end, or use another folder"
+        lock = self.folder / FolderLock.NAME
+        if self.holder is None:
+            return (
+                f"{self.folder} is being written by another process (it holds {lock} and did "
+                "not write its PID): wait for it to end, or use another folder"
+            )
+        holder = self.holder
+        text = (
+            f"{self.folder} is being written by another process (PID {holder.pid} on "
+            f"{holder.host}, which has held {lock} for {_age(holder.since)}): wait for it to "
+            "end, or use another folder"
         )
+        if holder.host != socket.gethostname():
+            # On NFSv3 a crashed node's locks stay until that node restarts.
+            text += f"; if that process is gone (its node crashed), pass --take-over-lock {holder}"
+        return text
 
 
 class FolderLock:
@@ -268,6 +349,14 @@ class FolderLock:
     `release` removes the file while still holding the lock; a process that opened it
     just before finds, once it has the lock, that the name now leads elsewhere, and
     tries again.
+
+    Where locks end otherwise (README, "Run folders on shared filesystems"): a lock
+    held from a node that crashed stays until that node restarts (NFSv3) or its lease
+    ends (NFSv4, 90 s by default); ``take_over`` naming that holder (``PID@HOST``, as
+    `FolderInUse` prints it) writes the folder anyway. A filesystem with no locks
+    (`_LOCKS_UNSUPPORTED`) is named in the refusal; ``take_over`` `UNLOCKED` runs
+    without one. Node-local locks (NFS mounted ``nolock``, Lustre ``localflock``,
+    BeeGFS by default) only keep out writers on the same node.
     """
 
     NAME = ".lock"
@@ -276,7 +365,7 @@ class FolderLock:
         self.path, self._descriptor = path, descriptor
 
     @classmethod
-    def acquire(cls, folder: Path) -> FolderLock:
+    def acquire(cls, folder: Path, *, take_over: str | None = None) -> FolderLock:
         """Lock ``folder`` (which must exist); `FolderInUse` when another process has it."""
         path = folder / cls.NAME
         while True:
@@ -287,12 +376,24 @@ class FolderLock:
             try:
                 fcntl.lockf(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as error:
+                if error.errno in _LOCKS_UNSUPPORTED and take_over == UNLOCKED:
+                    return cls._taken(path, descriptor)
                 if error.errno not in (errno.EACCES, errno.EAGAIN):
                     os.close(descriptor)
-                    raise FileError.of(path, "lock", error) from None
-                pid, host = _holder(descriptor)
+                    raise _no_locks(path, error) from None
+                holder = _holder(descriptor)
+                elsewhere = holder is not None and holder.host != socket.gethostname()
+                if elsewhere and take_over == str(holder):
+                    return cls._taken(path, descriptor)
                 os.close(descriptor)
-                raise FolderInUse(folder, pid, host) from None
+                if take_over is not None and take_over != UNLOCKED:
+                    raise FileError(
+                        path, "take over",
+                        f"--take-over-lock {take_over} does not name its holder, "
+                        f"{holder if holder is not None else 'unknown'} (a holder on this "
+                        "host is alive: the kernel drops a dead process's locks)",
+                    ) from None  # fmt: skip
+                raise FolderInUse(folder, holder) from None
             try:
                 current = os.stat(path, follow_symlinks=False)
             except FileNotFoundError:
@@ -302,12 +403,19 @@ class FolderLock:
                 locked.st_dev,
                 locked.st_ino,
             ):
-                holder = f"{os.getpid()} on {socket.gethostname()}\n".encode()
-                with contextlib.suppress(OSError):  # only for the message; the lock is held
-                    os.ftruncate(descriptor, 0)
-                    os.pwrite(descriptor, holder, 0)
-                return cls(path, descriptor)
+                return cls._taken(path, descriptor)
             os.close(descriptor)  # released and removed while we waited: lock the new one
+
+    @classmethod
+    def _taken(cls, path: Path, descriptor: int) -> FolderLock:
+        """The lock, with this process written in as its holder (only into a file of this
+        user's: in a shared folder the name may lead to someone else's file)."""
+        if os.fstat(descriptor).st_uid == os.geteuid():
+            holder = f"{os.getpid()} on {socket.gethostname()}\n".encode()
+            with contextlib.suppress(OSError):  # only for the message; the lock is held
+                os.ftruncate(descriptor, 0)
+                os.pwrite(descriptor, holder, 0)
+        return cls(path, descriptor)
 
     def release(self) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -321,9 +429,23 @@ class FolderLock:
         self.release()
 
 
-def _holder(descriptor: int) -> tuple[int | None, str | None]:
-    """The PID and host that the lock's holder wrote into the lock file ("PID on HOST"),
-    once it has. The file is in a folder others may write: what is not a number and a
+def _no_locks(path: Path, error: OSError) -> FileError:
+    """The refusal for a lock that failed for another reason than a holder."""
+    if error.errno not in _LOCKS_UNSUPPORTED:
+        return FileError.of(path, "lock", error)
+    kind = filesystem_type(path) or "a filesystem of unknown type"
+    return FileError(
+        path, "lock",
+        f"{error.strerror}: the folder is on {kind}, which offers no file locks there (Lustre "
+        "without its flock option, NFS without its lock service); use a run folder on a "
+        f"filesystem with locks, or pass --take-over-lock {UNLOCKED} to write without one "
+        "(nothing then keeps a second run out of the folder)",
+    )  # fmt: skip
+
+
+def _holder(descriptor: int) -> Holder | None:
+    """Who holds the lock, as its holder wrote into the lock file ("PID on HOST"), once
+    it has. The file is in a folder others may write: what is not a number and a
     printable host name is not shown."""
     deadline = time.monotonic() + _HOLDER_WAIT_S
     while True:
@@ -332,6 +454,29 @@ def _holder(descriptor: int) -> tuple[int | None, str | None]:
             break
         time.sleep(0.01)
     pid, _, host = text.partition(" on ")
-    if pid.isdecimal() and host.isprintable() and host:
-        return int(pid), host
-    return None, None
+    if pid.isdecimal() and host.isprintable() and host and " " not in host and "@" not in host:
+        return Holder(int(pid), host, os.fstat(descriptor).st_mtime)
+    return None
+
+
+def filesystem_type(path: Path) -> str | None:
+    """The type of the filesystem ``path`` (or its nearest existing folder) is on."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    target = os.path.realpath(existing)
+    best, kind = "", None
+    try:
+        with open("/proc/self/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) < 3:
+                    continue
+                # Spaces, tabs and newlines in mount points are written as octal escapes.
+                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1])
+                inside = target == point or target.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
+                    best, kind = point, fields[2]
+    except OSError:
+        return None
+    return kind

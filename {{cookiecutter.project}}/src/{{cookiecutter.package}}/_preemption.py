@@ -5,9 +5,8 @@ limit) and SIGUSR1 (SLURM's ``--signal=USR1@SECONDS``, sent ahead of the time li
 do not kill ``train``: `stop_signals` only records the first one, and the training
 loop asks `StopAgreement` after every optimizer step whether to stop. A signal that
 arrives while the checkpoint is being written changes nothing, since the handler only
-records. DataLoader workers ignore these signals (`ignore_stop_signals`): a terminal
-signals the whole process group and SLURM every process of a job step, and a worker
-that died of it would fail the step before the training process can stop cleanly.
+records. DataLoader workers leave these signals to the training process, which ends
+them once it has stopped (`_lifetime.obey_only_parent_sigterm` says why).
 
 Under ``torchrun`` the processes may receive a signal at different steps (torchrun
 forwards SIGTERM and SIGINT to its workers one after the other; SLURM signals each
@@ -28,7 +27,7 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-__all__ = ["STOP_SIGNALS", "StopAgreement", "StopSignal", "ignore_stop_signals", "stop_signals"]
+__all__ = ["STOP_SIGNALS", "StopAgreement", "StopSignal", "stop_signals"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
@@ -54,12 +53,6 @@ def stop_signals() -> Iterator[StopSignal]:
     finally:
         for number, handler in previous.items():
             signal.signal(number, handler)
-
-
-def ignore_stop_signals() -> None:
-    """For a DataLoader worker: the training process decides when to stop, and ends it."""
-    for number in STOP_SIGNALS:
-        signal.signal(number, signal.SIG_IGN)
 
 
 class StopAgreement:

@@ -2,13 +2,17 @@
 
     <project>-launch slurm --nodes 2 --gpus-per-node 4 --time 24:00:00 -- --epochs 100
     <project>-launch slurm --nodes 2 --gpus-per-node 4 --dry-run -- --epochs 100
-    <project>-launch slurm --run-dir runs/slurm-1234 --time 24:00:00   # a new job for that run
+    <project>-launch slurm --run-dir runs/slurm-hpc-1234 --time 24:00:00   # a new job for that run
 
 ``slurm`` writes a batch script and submits it with ``sbatch``; ``--dry-run`` prints
 the script and writes and submits nothing. Everything after ``--`` goes to ``train``
 (checked by train's own parser first). The job's run folder is
-``runs/slurm-<job id>`` (or ``--run-dir``): the script, ``slurm-<job id>.out`` (the
-log of every attempt of the job, appended), ``metrics.csv`` and ``latest.pt``.
+``runs/slurm-<cluster>-<job id>`` (or ``--run-dir``): the script, ``slurm-<job id>.out``
+(the log of every attempt of the job, appended), ``metrics.csv``, ``latest.pt`` and
+`OWNER`, whose token names the submission that owns the folder. Job ids repeat (a
+reset of SLURM's state, ``MaxJobId``), so a new job never takes over a folder: one
+whose folder exists is cancelled at submission, and an attempt that does not find its
+token in the folder (a newer job took it over with ``--run-dir``) cancels itself.
 
 In the job, ``srun`` starts one ``torchrun`` per node; the ``torchrun`` agents meet
 (c10d rendezvous) on the first node of ``scontrol show hostnames``, each starts one
@@ -27,19 +31,27 @@ How a job stops and comes back (checked on SLURM 22.05 and torch's ``torchrun``)
 - ``--requeue``: a preempted job (``PreemptMode=REQUEUE``) or one on a failed node
   goes back to the queue under the same job id, so it finds the same run folder.
   SLURM holds a requeued job back for ``cred_expire`` + 1 seconds (121 s by default).
-- ``--signal=B:USR1@SECONDS``: that long before the time limit SLURM sends SIGUSR1
-  to the batch shell alone, whose trap runs ``scontrol requeue``: the job then stops
-  the way a preempted one does and comes back. SIGUSR1 is not sent to the job's
-  processes (no ``B:``) because ``torchrun`` does not forward it by default: it dies
-  of it, and ``srun`` then kills its training processes at once.
+- ``--signal=B:USR1@SECONDS``: that long before the time limit (up to 60 s more)
+  SLURM sends SIGUSR1 to the batch shell alone. Its trap sends SIGCONT and SIGTERM to
+  the job's steps (``scancel --signal``, which spares the batch shell), waits for
+  ``srun`` to end, at most SECONDS - `REQUEUE_MARGIN_S`, and only then runs ``scontrol
+  requeue``, so the checkpoint is not cut off by the requeue's SIGKILL (train's
+  processes all wait for rank 0's checkpoint before exiting, so no node's ``torchrun``
+  ends first and ``srun --kill-on-bad-exit`` does not cut it short; torchrun's own
+  wait is raised to match). SIGUSR1
+  is not sent to the job's processes (no ``B:``) because ``torchrun`` does not
+  forward it by default: it dies of it, and ``srun`` then kills its training
+  processes at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
 import os
 import re
+import secrets
 import shlex
 import shutil
 import socket
@@ -47,12 +59,13 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
 from . import _checkpoint
 from ._command import command_name
+from ._files import filesystem_type
 from .train import UsageError, non_negative_int, positive_int
 from .train import build_parser as build_train_parser
 
@@ -67,6 +80,24 @@ SCRIPT_SUFFIX = ".sbatch"
 RDZV_PORT_BASE, RDZV_PORT_SPAN = 20000, 10000
 # sbatch's --signal takes 0 to 65535 seconds, and SLURM may signal up to 60 s early.
 MAX_SIGNAL_SECONDS = 65535
+# Near the time limit the batch shell waits for train's checkpoint at most --requeue-before
+# less this, then requeues: `scontrol requeue` must reach the controller before the limit
+# (a job past it ends TIMEOUT, which --requeue does not bring back); 10 s covers a busy
+# controller's answer.
+REQUEUE_MARGIN_S = 10
+# torchrun kills its processes this long after passing SIGTERM on to them (its default,
+# which TORCH_ELASTIC_SHUTDOWN_TIMEOUT changes); the script never sets it lower.
+TORCHRUN_SHUTDOWN_S = 30
+# The file in a run folder that names the submission owning it (launch's token for it).
+OWNER = "launch-job.txt"
+# In --dry-run without a reachable cluster: the cluster's name in the run folder's.
+UNKNOWN_CLUSTER = "<cluster>"
+# What an #SBATCH line cannot hold: a newline ends it, other control characters are not
+# text, and sbatch leaves %j unreplaced in a path with a backslash.
+NOT_SBATCH_TEXT = re.compile(r"[\x00-\x1f\x7f\\]")
+# sbatch's answer: "ID" or "ID;CLUSTER" (--parsable), "Submitted batch job ID[ on cluster
+# NAME]" (without it); a site's wrapper may add lines of its own.
+JOB_ID_LINE = re.compile(r"(?:Submitted batch job )?(\d+)(?:;\S+| on cluster \S+)?")
 # Filesystems that only the machine mounting them sees. Types not listed (nfs, lustre,
 # gpfs, beegfs, ceph, cifs, ...) are taken to be shared.
 LOCAL_FILESYSTEMS = frozenset(
@@ -108,16 +139,20 @@ class SlurmJob:
     nproc_per_node: int
     workdir: Path
     python: str  # the interpreter on the nodes (without a container)
+    cluster: str  # ClusterName, part of the default run folder's name
     requeue_before: int = 120
     cpus_per_task: int | None = None
     time: str | None = None
     partition: str | None = None
     account: str | None = None
     job_name: str = PACKAGE
-    run_dir: Path | None = None  # None: workdir/runs/slurm-<job id>
+    run_dir: Path | None = None  # None: workdir/runs/slurm-<cluster>-<job id>
     container: Container | None = None
     sbatch_options: tuple[str, ...] = ()
     train_args: tuple[str, ...] = ()
+    # Names this submission in its run folder (`OWNER`): a requeued attempt of it finds
+    # its own token there, a job that only shares its id (or a --run-dir) does not.
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
 
     @property
     def runs(self) -> Path:
@@ -125,7 +160,14 @@ class SlurmJob:
         return self.workdir / "runs" if self.run_dir is None else self.run_dir.parent
 
     def run_dir_of(self, job_id: int) -> Path:
-        return self.runs / f"slurm-{job_id}" if self.run_dir is None else self.run_dir
+        return (
+            self.runs / f"slurm-{self.cluster}-{job_id}" if self.run_dir is None else self.run_dir
+        )
+
+    @property
+    def requeue_grace(self) -> int:
+        """Seconds the batch shell waits for train to stop near the time limit."""
+        return max(0, self.requeue_before - REQUEUE_MARGIN_S)
 
 
 @dataclass(frozen=True)
@@ -168,12 +210,37 @@ def literal_path(path: Path) -> str:
 
 
 # The parts of the batch script that do not depend on the job.
+OWNED = f"""
+# The run folder is this submission's only when it holds the token launch wrote there:
+# not a folder of an earlier job with the same id, nor one a newer job (--run-dir) took.
+owner=$(head -n 1 -- "$run_dir"/{OWNER} 2>/dev/null) || owner=
+if [ "$owner" != "token=$token" ]; then
+    echo "launch: $run_dir/{OWNER} does not hold this submission's token: the folder is" \\
+        "another job's; job $SLURM_JOB_ID cancelled, the folder left as it is" >&2
+    scancel "$SLURM_JOB_ID"
+    exit 1
+fi
+"""
 STOPPING = """
-# Near the time limit: requeue. SLURM then stops the job as it stops a preempted one:
-# SIGTERM to every process (train writes a checkpoint at its next step and exits),
-# SIGKILL KillWait seconds later.
-trap 'echo "launch: time limit near: requeueing job $SLURM_JOB_ID"
-      scontrol requeue "$SLURM_JOB_ID"' USR1
+# Near the time limit (SIGUSR1): train first, then the requeue. The job's steps get
+# SIGCONT and SIGTERM as slurmd sends them (this shell does not), train writes the
+# checkpoint of the step under way and exits, and this shell waits for that, at most
+# $grace s, before it requeues the job.
+training=
+near_time_limit() {
+    echo "launch: time limit near: train checkpoints, then job $SLURM_JOB_ID is requeued"
+    scancel --signal=CONT "$SLURM_JOB_ID" || true
+    scancel --signal=TERM "$SLURM_JOB_ID" || true
+    deadline=$((SECONDS + grace))
+    while kill -0 "$training" 2>/dev/null && [ "$SECONDS" -lt "$deadline" ]; do
+        sleep 1
+    done
+    echo "launch: requeueing job $SLURM_JOB_ID"
+    trap '' TERM  # the requeue's SIGTERM to this shell, which is done
+    scontrol requeue "$SLURM_JOB_ID"
+    exit 0
+}
+trap near_time_limit USR1
 trap 'echo "launch: SIGTERM (preempted, requeued or cancelled): train checkpoints"' TERM
 """
 RENDEZVOUS = f"""
@@ -203,8 +270,8 @@ def render_script(job: SlurmJob, *, written: datetime | None = None) -> str:
     """The batch script for ``job``: readable, and every value in it quoted."""
     gpus = job.gpus_per_node
     if job.run_dir is None:
-        run_dir = shlex.quote(f"{job.runs}/slurm-") + '"$SLURM_JOB_ID"'
-        output = f"{literal_path(job.runs)}/slurm-%j/slurm-%j.out"
+        run_dir = shlex.quote(f"{job.runs}/slurm-{job.cluster}-") + '"$SLURM_JOB_ID"'
+        output = f"{literal_path(job.runs)}/slurm-{literal_path(Path(job.cluster))}-%j/slurm-%j.out"
     else:
         run_dir = shlex.quote(str(job.run_dir))
         output = f"{literal_path(job.run_dir)}/slurm-%j.out"
@@ -230,8 +297,9 @@ def render_script(job: SlurmJob, *, written: datetime | None = None) -> str:
         "# One torchrun per node (srun), c10d rendezvous on the first node.",
         "# --requeue: back to the queue after preemption or a node failure, under the same",
         "#   job id, so to the same run folder.",
-        f"# --signal: SIGUSR1 to this shell {job.requeue_before} s before the time limit;"
-        " it requeues the job.",
+        f"# --signal: SIGUSR1 to this shell {job.requeue_before} s before the time limit:"
+        " train checkpoints, then",
+        "#   the job is requeued.",
         "# Every attempt resumes from the run folder's checkpoint.",
         *(sbatch_line(option) for option in sbatch),
         "set -eu",
@@ -239,9 +307,14 @@ def render_script(job: SlurmJob, *, written: datetime | None = None) -> str:
         "# Where launch ran: relative paths in train's arguments start here.",
         f"cd {shlex.quote(str(job.workdir))}",
         f"run_dir={run_dir}",
+        f"token={job.token}",
+        f"grace={job.requeue_grace}  # --requeue-before {job.requeue_before} less"
+        f" {REQUEUE_MARGIN_S} s for the requeue",
         'echo "launch: job $SLURM_JOB_ID, attempt $((${SLURM_RESTART_COUNT:-0} + 1)), on'
         ' $SLURM_JOB_NODELIST at $(date -Is); run folder $run_dir"',
-        STOPPING + RENDEZVOUS.rstrip("\n"),
+        OWNED + STOPPING + RENDEZVOUS.rstrip("\n"),
+        "# How long torchrun lets its processes checkpoint after passing SIGTERM on.",
+        f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={max(job.requeue_grace, TORCHRUN_SHUTDOWN_S)}",
     ]
     if job.cpus_per_task:
         threads = max(1, job.cpus_per_task // job.nproc_per_node)
@@ -325,68 +398,109 @@ def _run(command: Sequence[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(list(command), capture_output=True, text=True, check=False)
 
 
+def job_id_of(answer: str) -> int | None:
+    """The job id in sbatch's answer (`JOB_ID_LINE`), or None when no line is one."""
+    for line in reversed(answer.splitlines()):
+        match = JOB_ID_LINE.fullmatch(line.strip())
+        if match is not None:
+            return int(match[1])
+    return None
+
+
+def owner_text(job: SlurmJob, job_id: int) -> str:
+    """`OWNER`'s text: the token the script checks on its first line, then for people."""
+    return (
+        f"token={job.token}\njob={job_id}\ncluster={job.cluster}\n"
+        f"submitted={datetime.now().isoformat(timespec='seconds')}\n"
+    )
+
+
 def submit(job: SlurmJob, script: str) -> Submitted:
     """Write ``script`` into the run folder and submit it; `SubmitError` when SLURM refuses.
 
-    A run folder named after the job id is only known once sbatch answers, and the
-    job's log goes into it, so such a job is submitted held, its folder made, the
-    script moved in, and then it is released. When a step after the submission
-    fails, the job is cancelled: nothing is left in the queue.
+    The job is submitted held: its run folder (named after the job id, unless
+    ``--run-dir``) is only known once sbatch answers, and the job's log goes into it.
+    The folder is then made, never taken over (job ids repeat: a new job that finds a
+    folder of its id is cancelled), the script moved in, `OWNER` written (the token the
+    job checks at each start), and the job released. When a step after the submission
+    fails, the job is cancelled and what was made for it removed.
     """
     staging = job.runs if job.run_dir is None else job.run_dir
-    created = [folder for folder in (staging, *staging.parents) if not folder.exists()]
+    made = [folder for folder in (staging, *staging.parents) if not folder.exists()][::-1]
     staging.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(prefix=".launch-", suffix=SCRIPT_SUFFIX, dir=staging)
     with os.fdopen(fd, "w") as file:
         file.write(script)
-    hold = ["--hold"] if job.run_dir is None else []
-    answer = _run(["sbatch", "--parsable", *hold, temporary])
-    if answer.returncode != 0:
-        os.unlink(temporary)
-        for folder in created:  # deepest first; only folders made here, and still empty
-            folder.rmdir()
-        reason = "; ".join((answer.stderr or answer.stdout).strip().splitlines())
-        raise SubmitError(f"sbatch refused the job: {reason}")
-    job_id = int(answer.stdout.strip().split(";")[0])
+    made.append(Path(temporary))
+    # A --run-dir's owner before this job, put back if this job does not take the folder.
+    earlier = job.run_dir / OWNER if job.run_dir is not None else None
+    earlier_owner = earlier.read_bytes() if earlier is not None and earlier.exists() else None
+    job_id = None
     try:
+        answer = _run(["sbatch", "--parsable", "--hold", temporary])
+        if answer.returncode != 0:
+            reason = "; ".join((answer.stderr or answer.stdout).strip().splitlines())
+            raise SubmitError(f"sbatch refused the job: {reason}")
+        job_id = job_id_of(answer.stdout)
+        if job_id is None:
+            raise SubmitError(
+                f"sbatch's answer names no job id: {answer.stdout!r} (expected ID, ID;CLUSTER "
+                "or 'Submitted batch job ID'); nothing cancelled"
+            )
         run_dir = job.run_dir_of(job_id)
-        run_dir.mkdir(exist_ok=True)
+        if job.run_dir is None:
+            try:
+                run_dir.mkdir()
+            except FileExistsError:
+                raise SubmitError(
+                    f"run folder {run_dir} already exists, from an earlier job {job_id} (SLURM "
+                    "numbers jobs anew after its state is reset, and at MaxJobId); it is left "
+                    "as it is"
+                ) from None
+            made.append(run_dir)
         script_path = run_dir / f"slurm-{job_id}{SCRIPT_SUFFIX}"
         os.replace(temporary, script_path)
-        if hold:
-            released = _run(["scontrol", "release", str(job_id)])
-            if released.returncode != 0:
-                raise SubmitError(f"scontrol release {job_id} failed: {released.stderr.strip()}")
+        made.remove(Path(temporary))
+        made.append(script_path)
+        if earlier_owner is None:
+            made.append(run_dir / OWNER)
+        (run_dir / OWNER).write_text(owner_text(job, job_id))
+        released = _run(["scontrol", "release", str(job_id)])
+        if released.returncode != 0:
+            raise SubmitError(f"scontrol release {job_id} failed: {released.stderr.strip()}")
     except BaseException as error:  # Ctrl-C included: a held job would wait forever
-        _run(["scancel", str(job_id)])
-        Path(temporary).unlink(missing_ok=True)
+        if job_id is not None:
+            _run(["scancel", str(job_id)])
+        if earlier is not None and earlier_owner is not None:
+            earlier.write_bytes(earlier_owner)
+        undo(made)
         if isinstance(error, (OSError, SubmitError)):
-            raise SubmitError(f"{error}; job {job_id} cancelled") from None
+            cancelled = "" if job_id is None else f"; job {job_id} cancelled"
+            raise SubmitError(f"{error}{cancelled}") from None
         raise
     return Submitted(job_id, run_dir, script_path)
 
 
-def filesystem_type(path: Path) -> str | None:
-    """The type of the filesystem ``path`` (or its nearest existing folder) is on."""
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    target = os.path.realpath(existing)
-    best, kind = "", None
-    try:
-        with open("/proc/self/mounts") as mounts:
-            for line in mounts:
-                fields = line.split()
-                if len(fields) < 3:
-                    continue
-                # Spaces, tabs and newlines in mount points are written as octal escapes.
-                point = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[1])
-                inside = target == point or target.startswith(point.rstrip("/") + "/")
-                if inside and len(point) >= len(best):
-                    best, kind = point, fields[2]
-    except OSError:
+def undo(made: list[Path]) -> None:
+    """Remove what `submit` made, newest first; folders only when empty."""
+    for path in reversed(made):
+        with contextlib.suppress(OSError):
+            if path.is_dir():
+                path.rmdir()
+            else:
+                path.unlink()
+
+
+def cluster_name() -> str | None:
+    """The cluster's ``ClusterName`` (``scontrol show config``), or None when scontrol
+    cannot tell (no SLURM here, the controller unreachable) or it is not a `NAME`."""
+    if shutil.which("scontrol") is None:
         return None
-    return kind
+    answer = _run(["scontrol", "show", "config"])
+    match = re.search(r"^ClusterName\s*=\s*(\S+)\s*$", answer.stdout, re.MULTILINE)
+    if answer.returncode != 0 or match is None or not NAME.fullmatch(match[1]):
+        return None
+    return match[1]
 
 
 def cluster_hosts(partition: str | None) -> set[str] | None:
@@ -490,7 +604,7 @@ def sbatch_option(text: str) -> str:
 def one_line(text: str) -> str:
     """Text that goes into the script: anything but control characters (a newline would
     end an #SBATCH line) and backslashes (sbatch turns off its %j patterns for them)."""
-    if not text or re.search(r"[\x00-\x1f\x7f\\]", text):
+    if not text or NOT_SBATCH_TEXT.search(text):
         raise argparse.ArgumentTypeError(
             f"must be a non-empty path without control characters or backslashes, got {text!r}"
         )
@@ -592,8 +706,11 @@ def check_train_args(args: Sequence[str]) -> None:
             raise UsageError(f"train arguments (after --): {flag}: {why}")
 
 
-def job_from_arguments(options: argparse.Namespace, train_args: Sequence[str]) -> SlurmJob:
-    """The job the command line describes; `UsageError` for what the types cannot see."""
+def job_from_arguments(
+    options: argparse.Namespace, train_args: Sequence[str], cluster: str
+) -> SlurmJob:
+    """The job the command line describes on ``cluster``; `UsageError` for what the types
+    cannot see."""
     gpus = options.gpus_per_node
     if gpus and options.nproc_per_node not in (None, gpus):
         raise UsageError(
@@ -626,6 +743,7 @@ def job_from_arguments(options: argparse.Namespace, train_args: Sequence[str]) -
         nproc_per_node=gpus or options.nproc_per_node or 1,
         workdir=workdir,
         python=sys.executable,
+        cluster=cluster,
         requeue_before=options.requeue_before,
         cpus_per_task=options.cpus_per_task,
         time=options.time,
@@ -637,6 +755,14 @@ def job_from_arguments(options: argparse.Namespace, train_args: Sequence[str]) -
         sbatch_options=tuple(options.sbatch),
         train_args=tuple(train_args),
     )
+    log_folder = job.runs if job.run_dir is None else job.run_dir
+    if (character := NOT_SBATCH_TEXT.search(str(log_folder))) is not None:
+        source = "the working directory" if job.run_dir is None else "argument --run-dir"
+        raise UsageError(
+            f"{source}: {str(log_folder)!r} holds {character[0]!r} and goes into the script's "
+            "#SBATCH --output line, which ends at a newline and loses its %j after a "
+            "backslash; allowed: any character but backslashes and control characters"
+        )
     if container is not None:
         for folder in _mounted(job):
             if re.search("[,:]", folder):
@@ -658,8 +784,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"unrecognized arguments: {' '.join(unknown)} (train's arguments go after --: "
             f"{slurm.prog} --nodes 2 -- --epochs 10)"
         )
+    cluster = cluster_name()
     try:
-        job = job_from_arguments(options, train_args)
+        job = job_from_arguments(options, train_args, cluster or UNKNOWN_CLUSTER)
     except UsageError as error:
         slurm.error(str(error))
     script = render_script(job)
@@ -673,7 +800,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
-    folder = job.run_dir or job.runs / "slurm-<job id>"
+    if cluster is None:
+        print(
+            f"{slurm.prog}: error: scontrol show config names no cluster (ClusterName): the "
+            "run folder's name holds it; is the SLURM controller reachable?",
+            file=sys.stderr,
+        )
+        return 1
+    folder = job.run_dir or job.runs / f"slurm-{cluster}-<job id>"
     problem = unshared_run_folder(folder, filesystem_type(folder), cluster_hosts(job.partition))
     if problem is not None:
         slurm.error(f"argument --run-dir: {problem}")

@@ -16,8 +16,8 @@ and a checkpoint holds the model, the optimizer, the fp16 gradient scaler, every
 random number generator and the position in the epoch, so ``--resume`` continues
 exactly where the last checkpoint stopped, even mid-epoch: the final weights are
 bitwise equal to those of an uninterrupted run with the same settings, whatever
-``--workers`` either run used. A checkpoint carries a CRC-32 of each tensor, which
-``--resume`` verifies (`_checkpoint`).
+``--workers`` either run used. A checkpoint ends with a SHA-256 digest of all its bytes,
+which ``--resume`` verifies before reading it, then checks every value (`_checkpoint`).
 
 Stopping, and what launch scripts rely on (``<project>-launch slurm`` among them):
 
@@ -67,13 +67,16 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import enum
 import gc
 import math
 import os
+import random
 import re
 import shlex
 import sys
 import time
+import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import datetime
@@ -86,11 +89,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
-from . import _checkpoint
+from . import _checkpoint, _data
 from ._checkpoint import Position, ProcessState, RunSettings, TrainingState
-from ._command import command_name, reports_errors
+from ._command import CommandError, command_name, first_line, reports_errors
 from ._data import EpochBatches, SyntheticBatches, loader
-from ._files import FolderLock, remove_incomplete
+from ._files import UNLOCKED, FolderLock, remove_incomplete
+from ._lifetime import end_with_parent
 from ._metrics import EpochMetrics, MetricsLog, RunningMean, tensorboard_missing
 from ._preemption import StopAgreement, StopSignal, stop_signals
 from ._progress import Progress
@@ -140,6 +144,7 @@ class Config:
     workers: int = 0
     precision: str = "32"
     tensorboard: bool = False
+    take_over_lock: str | None = None
 
     @property
     def checkpoint(self) -> Path | None:
@@ -235,14 +240,29 @@ def check_precision(precision: str, device: torch.device) -> None:
         )
 
 
-def default_run_dir(now: datetime | None = None) -> Path:
-    """``runs/<date-time>`` for a run started now, with ``-2``, ``-3``... if that is taken."""
+def default_run_dir(now: datetime | None = None, *, create: bool) -> Path:
+    """``runs/<date-time>`` for a run started now, with ``-2``, ``-3``... if that is taken.
+
+    With ``create`` the folder is made here, exclusively: two runs started in the same
+    second never share one (a check before creating would let both through)."""
     stamp = (now or datetime.now()).strftime("%Y-%m-%d_%H-%M-%S")
     candidate, number = Path("runs", stamp), 1
-    while candidate.exists():
-        number += 1
-        candidate = Path("runs", f"{stamp}-{number}")
-    return candidate
+    if not create:
+        return candidate
+    try:
+        candidate.parent.mkdir(exist_ok=True)
+        while True:
+            try:
+                candidate.mkdir()
+                return candidate
+            except FileExistsError:
+                number += 1
+                candidate = Path("runs", f"{stamp}-{number}")
+    except OSError as error:
+        raise UsageError(
+            f"argument --run-dir: none given, and the default {candidate} cannot be created: "
+            f"{error.strerror}"
+        ) from None
 
 
 def prepare_run_dir(config: Config, launch: Launch, held: contextlib.ExitStack) -> Config:
@@ -253,7 +273,9 @@ def prepare_run_dir(config: Config, launch: Launch, held: contextlib.ExitStack) 
     if config.run_dir is None:
         if config.resume:
             raise UsageError("argument --resume: needs --run-dir DIR, the folder of the run")
-        config = Config(**{**vars(config), "run_dir": default_run_dir()})
+        # only rank 0 writes there; the other processes never look at it
+        directory = default_run_dir(create=launch.rank == 0)
+        config = Config(**{**vars(config), "run_dir": directory})
     directory, checkpoint = config.run_dir, config.checkpoint
     assert directory is not None
     assert checkpoint is not None
@@ -261,7 +283,7 @@ def prepare_run_dir(config: Config, launch: Launch, held: contextlib.ExitStack) 
         if not directory.is_dir():
             raise UsageError(f"argument --run-dir: {directory} does not exist (nothing to resume)")
         if launch.rank == 0:
-            held.enter_context(FolderLock.acquire(directory))
+            held.enter_context(FolderLock.acquire(directory, take_over=config.take_over_lock))
         if not checkpoint.exists():
             raise UsageError(
                 f"argument --resume: no checkpoint in {directory} ({checkpoint.name} is missing)"
@@ -279,7 +301,7 @@ def prepare_run_dir(config: Config, launch: Launch, held: contextlib.ExitStack) 
             raise UsageError(
                 f"argument --run-dir: cannot create {directory}: {error.strerror}"
             ) from None
-        held.enter_context(FolderLock.acquire(directory))
+        held.enter_context(FolderLock.acquire(directory, take_over=config.take_over_lock))
     return config
 
 
@@ -290,14 +312,34 @@ def build_model() -> DynamicNet:
 def load_resumable(
     config: Config, launch: Launch, device: torch.device, log: TextIO
 ) -> TrainingState:
-    """The checkpoint to resume, checked against this run's model and settings."""
+    """The checkpoint to resume, checked against this run's model and settings; when it
+    is refused, the refusal says how to resume from the previous one, if that one is
+    intact."""
     assert config.checkpoint is not None
-    try:
-        state = _checkpoint.load(config.checkpoint)
+
+    def checked(path: Path) -> TrainingState:
+        state = _checkpoint.load(path)
         with torch.device("meta"):  # the shapes, without the memory or the random numbers
-            _checkpoint.check_fits(state, build_model(), config.checkpoint)
+            _checkpoint.check_fits(state, build_model(), path)
+        return state
+
+    try:
+        state = checked(config.checkpoint)
     except _checkpoint.CheckpointError as error:
-        raise UsageError(f"argument --resume: {error}") from None
+        previous = config.checkpoint.with_name(_checkpoint.PREVIOUS)
+        try:
+            kept = checked(previous) if previous.exists() else None
+        except _checkpoint.CheckpointError:
+            kept = None
+        offer = ""
+        if kept is not None:
+            at = where(kept.position, len(epoch_batches(config, launch)))
+            move = shlex.join(["mv", str(previous), str(config.checkpoint)])
+            offer = (
+                f"; {previous} is intact, at {at}: to resume from it, run {move}, then "
+                "this command again"
+            )
+        raise UsageError(f"argument --resume: {error}{offer}") from None
     settings = run_settings(config, launch)
     for name in DATA_SETTINGS:
         if getattr(state.run, name) != getattr(settings, name):
@@ -307,11 +349,10 @@ def load_resumable(
                 "makes another data set; use the same value, or a new --run-dir"
             )
     if launch.rank == 0:
-        if state.format == _checkpoint.UNVERIFIED_FORMAT:
+        if (unverified := _checkpoint.UNVERIFIED.get(state.format)) is not None:
             print(
-                f"warning: {config.checkpoint} is a checkpoint of format "
-                f"{_checkpoint.UNVERIFIED_FORMAT}, written by an earlier version of this "
-                "command: it has no checksums, so its tensors are not verified",
+                f"warning: {config.checkpoint} is a checkpoint of format {state.format}, "
+                f"written by an earlier version of this command: {unverified}",
                 file=log,
             )
         for name in SCHEDULE_SETTINGS:
@@ -388,6 +429,80 @@ class Stopped(Exception):
         )
 
 
+class Diverged(CommandError):
+    """An epoch's mean loss is NaN or infinite: training stops before checkpointing it."""
+
+    def __init__(self, epoch: int, loss: float, saved_at: int | None, checkpoint: Path) -> None:
+        kept = (
+            f"{checkpoint} holds step {saved_at} of the run"
+            if saved_at is not None
+            else "no checkpoint was written"
+        )
+        super().__init__(
+            f"the loss of epoch {epoch} is {loss} (its mean over every step): training "
+            f"diverged, so this epoch was not checkpointed and {kept}; a lower --lr, "
+            "--precision 32 or gradient clipping are the usual remedies"
+        )
+
+
+class Failure(enum.Enum):
+    """What ended a run that `Failed`."""
+
+    RAISED = "raised"  # the training code raised: its traceback says where
+    WORKER_DIED = "worker died"  # memory (the OOM killer) or an operator, not code
+    PEER_LOST = "peer lost"  # another torchrun process ended first: its own error says why
+
+
+class Failed(Exception):
+    """Training raised ``error`` at ``position``: what the one line about it says."""
+
+    def __init__(
+        self,
+        error: BaseException,
+        position: Position,
+        steps: int,
+        saved_at: int | None,
+        dead_workers: list[_data.DeadWorker],
+    ) -> None:
+        super().__init__(error, position, steps, saved_at, dead_workers)
+        self.error, self.position, self.steps = error, position, steps
+        self.saved_at = saved_at  # the global step of the last checkpoint
+        self.dead_workers = dead_workers
+        self.text = first_line(error)
+        self.lost = _PEER_LOST.search(self.text) if dist.is_initialized() else None
+        self.kind = (
+            Failure.WORKER_DIED
+            if dead_workers
+            else Failure.PEER_LOST
+            if self.lost is not None
+            else Failure.RAISED
+        )
+
+    @property
+    def cause(self) -> str:
+        if self.kind is Failure.WORKER_DIED:
+            return ", ".join(str(worker) for worker in self.dead_workers)
+        if self.kind is Failure.PEER_LOST:
+            assert self.lost is not None
+            return (
+                f"another process of this job ended first ({self.lost[0]}): its own error, "
+                "or torchrun's summary, says why"
+            )
+        return f"{type(self.error).__name__}: {self.text}"
+
+    def __str__(self) -> str:
+        epoch, step, steps = self.position.epoch + 1, self.position.step + 1, self.steps
+        of_run = self.position.global_step + 1
+        during = f"epoch {epoch}, step {step}/{steps} (step {of_run} of the run)"
+        if self.position.step >= steps:  # after the epoch's last step, at its end
+            during = f"the end of epoch {epoch} (step {self.position.global_step} of the run)"
+        return f"training failed in {during}: {self.cause}"
+
+
+# What gloo and NCCL say when a collective loses its peer (the process ended).
+_PEER_LOST = re.compile(r"[Cc]onnection (closed|reset) by peer|Broken pipe|NCCL.*(remote|abort)")
+
+
 class Trainer:
     """One process's training: the model, its optimizer and data, where it stands, and
     what it writes. `train` calls its steps in order; each reads and updates this state."""
@@ -406,6 +521,7 @@ class Trainer:
         self.config, self.launch, self.device = config, launch, device
         self.checkpoint = config.checkpoint
         torch.manual_seed(config.seed)
+        random.seed(config.seed)  # for the user's code: the example model draws none
         self.model = build_model().to(device)
         self.optimizer = torch.optim.Adam(self.model.parameters(), lr=config.lr)
         self.scaler = torch.amp.GradScaler(device.type) if config.precision == "fp16" else None
@@ -458,7 +574,8 @@ class Trainer:
                 tensorboard=config.tensorboard,
             )
         self.saver = _checkpoint.BackgroundSaver()
-        self.saved_at: int | None = None  # the global step of the last checkpoint
+        # the global step of the last checkpoint
+        self.saved_at = None if resumed is None else resumed.position.global_step
         self.stops = StopAgreement(stop, distributed=launch.torchrun)
         self.running = RunningMean(device)
         self.started = 0.0
@@ -534,6 +651,8 @@ class Trainer:
                     seconds=round(seconds, 4),
                 )
             )
+        if not math.isfinite(self.loss):
+            raise Diverged(self.position.epoch, self.loss, self.saved_at, self.checkpoint)
         self.save()
         if self.progress is not None:
             self.progress.end_epoch(samples, self.loss)
@@ -564,12 +683,22 @@ class Trainer:
             return
         if self.saved_at != self.position.global_step:
             self.save()
+        if self.launch.torchrun:
+            # Every process exits once the checkpoint is on disk, not before: a process
+            # that exits first ends its torchrun, and then srun (--kill-on-bad-exit) or
+            # torchrun gives rank 0 only their own short grace to finish writing.
+            self.saver.wait()
+            dist.barrier()
         raise Stopped(received, dataclasses.replace(self.position), self.steps, self.checkpoint)
 
-    def close(self) -> None:
-        """Wait for the last checkpoint to be on disk; close the metrics."""
+    def close(self, *, in_step: bool) -> None:
+        """End the data's workers, wait for the last checkpoint to be on disk, close the
+        metrics. ``in_step``: training failed, perhaps with other processes inside a
+        collective this one will never join, so nothing here may wait for them."""
         try:
-            self.stops.close()
+            _data.close(self.data)
+            if not in_step:
+                self.stops.close()
             self.saver.wait()
         finally:
             if self.metrics is not None:
@@ -591,6 +720,7 @@ def train(
     `Stopped`.
     """
     trainer = Trainer(config, launch, device, resumed, sys.stderr if log is None else log, stop)
+    in_step = True
     try:
         while trainer.position.epoch < config.epochs:
             trainer.begin_epoch()
@@ -602,8 +732,18 @@ def train(
             trainer.end_epoch()
             if trainer.position.epoch < config.epochs:
                 trainer.stop_if_signalled()
+        in_step = False
+    except (Stopped, Diverged):  # every process raises it after the same step
+        in_step = False
+        raise
+    except CommandError:  # already its one line (a full disk): reported as it is
+        raise
+    except Exception as error:
+        position = dataclasses.replace(trainer.position)
+        dead = _data.dead_workers(trainer.data)
+        raise Failed(error, position, trainer.steps, trainer.saved_at, dead) from error
     finally:
-        trainer.close()
+        trainer.close(in_step=in_step)
     return trainer.loss
 
 
@@ -662,6 +802,16 @@ def directory_path(text: str) -> Path:
     if not text.strip():
         raise argparse.ArgumentTypeError("must be a directory path, got an empty string")
     return Path(text)
+
+
+def lock_holder(text: str) -> str:
+    pid, at, host = text.partition("@")
+    if text != UNLOCKED and not (pid.isdecimal() and at and host.isprintable() and host):
+        raise argparse.ArgumentTypeError(
+            f"must be PID@HOST, as the refusal to lock the run folder printed it, or "
+            f"{UNLOCKED}; got {text!r}"
+        )
+    return text
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -756,6 +906,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="also write TensorBoard events into the run folder (needs the tensorboard package)",
     )
+    parser.add_argument(
+        "--take-over-lock",
+        metavar="PID@HOST",
+        type=lock_holder,
+        help="write --run-dir although PID on HOST, on another machine, holds its lock (a "
+        "crashed node's lock lasts until it restarts on NFSv3), or 'unlocked' where its "
+        "filesystem has no locks; the refusal prints the value",
+    )
     return parser
 
 
@@ -769,7 +927,8 @@ def resume_command(config: Config, launch: Launch, environ: Mapping[str, str] = 
         args = []
         for field in dataclasses.fields(Config):
             value = getattr(config, field.name)
-            if field.name in ("run_dir", "resume", *left_out) or value == field.default:
+            once = ("run_dir", "resume", "take_over_lock")  # a taken-over lock is this run's
+            if field.name in (*once, *left_out) or value == field.default:
                 continue
             flag = "--" + field.name.replace("_", "-")
             args += [flag] if value is True else [flag, str(value)]
@@ -798,6 +957,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     config = Config(**vars(parser.parse_args(argv)))
     launch = Launch.from_environment()
+    if launch.torchrun:  # a killed torchrun takes its processes with it (and they their workers)
+        end_with_parent(os.getppid())
     with contextlib.ExitStack() as held:
         try:
             if config.tensorboard and (missing := tensorboard_missing()) is not None:
@@ -837,6 +998,22 @@ def run(config: Config, launch: Launch, device: torch.device, resumed: TrainingS
             print(stopped, file=sys.stderr)
             print(f"resume with: {resume_command(config, launch)}", file=sys.stderr)
         return stopped.status
+    except Diverged as diverged:
+        if launch.rank == 0:
+            print(f"{command_name(f'{PACKAGE}.train')}: error: {diverged}", file=sys.stderr)
+        return diverged.status
+    except Failed as failed:
+        if failed.kind is Failure.RAISED:  # the user's code: its traceback says where
+            traceback.print_exception(failed.error)
+        rank = f"rank {launch.rank}: " if launch.torchrun else ""
+        resume = ""
+        if launch.rank == 0 and failed.saved_at is not None and config.checkpoint is not None:
+            resume = (
+                f"; the last checkpoint, {config.checkpoint}, holds step {failed.saved_at} of "
+                f"the run: resume with {resume_command(config, launch)}"
+            )
+        print(f"{command_name(f'{PACKAGE}.train')}: error: {rank}{failed}{resume}", file=sys.stderr)
+        return 1
     finally:
         if launch.torchrun:
             # DDP's reducer sits in reference cycles: collect it while the process group

@@ -144,6 +144,14 @@ DRAIN_WAIT = 1.0
 STACK_WAIT = 1.0
 # How long a rank gets to exit after the last command before it is killed.
 EXIT_WAIT = 5.0
+# How long ending the processes a rank started may take: SIGKILL ends a process within
+# milliseconds; this only bounds descendants that keep starting new ones.
+END_WAIT = 5.0
+# Pause between two looks at /proc while processes just killed finish dying.
+END_POLL = 0.01
+# prctl(2) options (linux/prctl.h).
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
 # Branch decisions flipped one at a time to find what decides a parameter's use.
 BACKENDS = ("gloo", "nccl")
 START_METHODS = (None, "fork", "spawn")
@@ -163,6 +171,7 @@ _OPTIONS = (
     "rtol",
     "atol",
     "start_method",
+    "temp_root",
 )
 REFERENCE = -1  # the role of the process that runs alone on the concatenated batch
 
@@ -425,6 +434,7 @@ def ddp_check(
     rtol: float | None = None,
     atol: float | None = None,
     start_method: str | None = None,
+    temp_root: str | os.PathLike[str] | None = None,
     **unknown: Any,
 ) -> DdpResult:
     """Train ``model_or_fn`` under ``DistributedDataParallel`` on one batch per rank.
@@ -444,14 +454,18 @@ def ddp_check(
     the difference from one process on the concatenated batch (by dtype when None).
     ``start_method``: None forks the ranks where that is safe (Linux, gloo, CUDA not yet
     initialized in this process) and spawns them otherwise, which needs the model,
-    inputs, ``loss_fn`` and ``optimizer`` to pickle. Raises a :class:`DdpCheckFailure`
-    subclass; returns a :class:`DdpResult`.
+    inputs, ``loss_fn`` and ``optimizer`` to pickle. The processes' files (their
+    rendezvous, their errors) go in a folder made in ``temp_root`` (the fixture gives
+    pytest's temporary folder; None: the system's) and removed at the end. Raises a
+    :class:`DdpCheckFailure` subclass; returns a :class:`DdpResult`.
     """
     __tracebackhide__ = True
     calls.reject_unknown_keywords("ddp_check", unknown, _OPTIONS)
     kwargs = calls.forward_kwargs_of("ddp_check", forward_kwargs)
     batches = _rank_batches(inputs_per_rank, world_size)
-    _check_options(backend, steps, timeout, start_method, len(batches), loss_fn, optimizer)
+    _check_options(
+        backend, steps, timeout, start_method, len(batches), loss_fn, optimizer, temp_root
+    )
     given = {
         "find_unused_parameters": find_unused_parameters,
         "static_graph": static_graph,
@@ -469,6 +483,7 @@ def ddp_check(
         optimizer=optimizer,
         backend=backend,
         timeout=float(timeout),
+        temp_root=None if temp_root is None else Path(temp_root),
     )
     method = _start_method(start_method, job)
     return _Checker(job, options, steps, method, (rtol, atol)).run()
@@ -548,7 +563,12 @@ def _check_options(
     world_size: int,
     loss_fn: Any,
     optimizer: Any,
+    temp_root: Any,
 ) -> None:
+    if temp_root is not None and not (
+        isinstance(temp_root, str | os.PathLike) and Path(temp_root).is_dir()
+    ):
+        raise ValueError(f"ddp_check: temp_root must be an existing folder, got {temp_root!r}")
     if backend not in BACKENDS:
         raise ValueError(
             f"ddp_check: backend={backend!r} is not allowed: expected one of {BACKENDS}"
@@ -629,6 +649,7 @@ class _Job:
     optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None
     backend: str
     timeout: float
+    temp_root: Path | None  # where each launch makes its folder (None: the system's)
 
     @property
     def world_size(self) -> int:
@@ -690,7 +711,7 @@ class _Launch:
         # memory shared by every process, and each rank's optimizer would step them all.
         self.payload: _Job | bytes = job if method == "fork" else pickle.dumps(job)
         self.roles = [*range(job.world_size), REFERENCE]
-        self.folder = Path(tempfile.mkdtemp(prefix="ddp_check-"))
+        self.folder = Path(tempfile.mkdtemp(prefix="ddp_check-", dir=job.temp_root))
         self.processes: dict[int, Any] = {}
         self.connections: dict[int, Any] = {}  # each process's events, to read
         self.commands: dict[int, Any] = {}  # each process's commands, to write
@@ -910,27 +931,35 @@ class _Launch:
         time.sleep(STACK_WAIT)
         return {role: _stack_locations(_Files(self.folder, role).stack) for role in roles}
 
-    def close(self) -> None:
-        """End every process (asked to exit after a launch that went well, killed at once
-        after one that did not), reap it, and remove the launch's folder."""
+    def __enter__(self) -> _Launch:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *_: Any) -> None:
+        # A check's own failure leaves the ranks idle; anything else (KeyboardInterrupt, an
+        # error of the check) may have come in the middle of a step.
+        self.close(at_once=kind is not None and not issubclass(kind, DdpCheckFailure))
+
+    def close(self, *, at_once: bool = False) -> None:
+        """End every process and all it started (asked to exit after a launch that went
+        well, killed at once otherwise), reap it, and remove the launch's folder."""
         if self.closed:
             return
         self.closed = True
-        if not self.failed:
-            for role in self.roles:
-                self.send(role, "exit")
-            deadline = time.monotonic() + EXIT_WAIT
+        try:
+            if not (self.failed or at_once):
+                for role in self.roles:
+                    self.send(role, "exit")
+                deadline = time.monotonic() + EXIT_WAIT
+                for process in self.processes.values():
+                    process.join(max(0.0, deadline - time.monotonic()))
+        finally:  # a second KeyboardInterrupt in the wait above ends them too
             for process in self.processes.values():
-                process.join(max(0.0, deadline - time.monotonic()))
-        for process in self.processes.values():
-            if process.is_alive():
-                process.kill()
-            process.join()
-        for connection in (*self.connections.values(), *self.commands.values()):
-            connection.close()
-        shutil.rmtree(self.folder, ignore_errors=True)
-        if self.started_tracker:
-            _stop_resource_tracker()
+                _end_process(process)
+            for connection in (*self.connections.values(), *self.commands.values()):
+                connection.close()
+            shutil.rmtree(self.folder, ignore_errors=True)
+            if self.started_tracker:
+                _stop_resource_tracker()
 
 
 def _resource_tracker_running() -> bool:
@@ -948,6 +977,98 @@ def _stop_resource_tracker() -> None:
     if stop is not None:
         with contextlib.suppress(Exception):
             stop()
+
+
+# --- every process a rank starts ends with it -----------------------------------------
+#
+# What this relies on (POSIX, and Linux where said):
+# - a process made the leader of a new session by setsid(2) leads a process group of
+#   its own, with its pid for id, and every process it starts joins that group unless
+#   it leaves it (setsid, setpgid), as subprocess.Popen(start_new_session=True) does;
+#   killpg(2) reaches every member, and a pid stays taken while a group of that id has a
+#   member, so the group of a rank already reaped is still its own;
+# - Linux: a process that dies leaves its children to the nearest living ancestor
+#   marked PR_SET_CHILD_SUBREAPER (to init without one), so while a rank lives,
+#   everything it started, in its group or not, is in its tree of parent pids in /proc;
+#   a stopped process (SIGSTOP) starts nothing, and SIGKILL ends it stopped or not;
+# - Linux: PR_SET_PDEATHSIG has the kernel signal a process when the thread that
+#   started it ends: the test's main thread starts the ranks.
+
+
+def _lead_own_group(parent: int) -> None:
+    """In a process of the check, first thing: lead a session and process group of its
+    own, on Linux adopt its orphaned descendants and be killed when the test's process
+    dies."""
+    os.setsid()
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        with contextlib.suppress(OSError, AttributeError):
+            libc = ctypes.CDLL(None)
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+            libc.prctl(PR_SET_CHILD_SUBREAPER, 1)
+    if os.getppid() != parent:  # it died before that
+        os._exit(1)
+
+
+def _living() -> dict[int, tuple[int, int]]:
+    """Each live process's parent pid and process group, from /proc (empty without it)."""
+    found = {}
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = Path(entry.path, "stat").read_text()
+            except OSError:  # it ended meanwhile
+                continue
+            # pid (comm) state ppid pgrp ...: the name may hold spaces and parentheses
+            state, ppid, group = stat.rpartition(")")[2].split()[:3]
+            if state not in ("Z", "X"):  # a zombie has ended, only its exit status is left
+                found[int(entry.name)] = (int(ppid), int(group))
+    return found
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for child, (ppid, _) in _living().items():
+        children.setdefault(ppid, []).append(child)
+    found, unvisited = [], [pid]
+    while unvisited:
+        below = children.get(unvisited.pop(), [])
+        found += below
+        unvisited += below
+    return found
+
+
+def _end_descendants(pid: int) -> None:
+    """Kill every live descendant of ``pid`` until none is left (Linux; elsewhere its
+    process group does it)."""
+    deadline = time.monotonic() + END_WAIT
+    while (found := _descendants(pid)) and time.monotonic() < deadline:
+        for descendant in found:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(descendant, signal.SIGKILL)
+        time.sleep(END_POLL)
+
+
+def _end_process(process: Any) -> None:
+    """End a process of the check that leads its own group (:func:`_lead_own_group`) and
+    everything it started, and reap it: stopped, so that it starts nothing more, its
+    descendants killed, then itself, then what is left of its group, waited for."""
+    if process.is_alive():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(process.pid, signal.SIGSTOP)
+        _end_descendants(process.pid)
+        process.kill()
+    process.join()
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)
+    deadline = time.monotonic() + END_WAIT
+    while time.monotonic() < deadline and any(
+        group == process.pid for _, group in _living().values()
+    ):
+        time.sleep(END_POLL)
 
 
 def _role_name(role: int) -> str:
@@ -1023,40 +1144,40 @@ class _Checker:
 
     def run(self) -> DdpResult:
         __tracebackhide__ = True
-        launch = _Launch(self.job, self.method)
         cost = None
-        try:
-            startup = launch.start()
-            launch.send(REFERENCE, "reference", self.steps)
-            ddp_error = None
+        with _Launch(self.job, self.method) as launch:
             try:
-                self._train(launch)
+                startup = launch.start()
+                launch.send(REFERENCE, "reference", self.steps)
+                ddp_error = None
+                try:
+                    self._train(launch)
+                except _Stopped as stop:
+                    if not self.doomed:
+                        raise
+                    # DDP raises at the next forward; a rank that waited for the others in the
+                    # all-reduce may fail first, on the broken connection: DDP's error is the one
+                    # raised in a forward.
+                    raised = [stop.failure, *launch.drain(DRAIN_WAIT)]
+                    ddp_error = next(
+                        (f for f in raised if isinstance(f, RankFailed) and f.phase == "forward"),
+                        stop.failure,
+                    )
+                if self.doomed:
+                    launch.close()
+                    raise _Stopped(self._unused_failure(ddp_error))
+                self._wait_reference(launch, lambda: self.reference_info is not None)
+                failure = self._findings()
+                if failure is not None:
+                    raise _Stopped(failure)
+                if self.options.get("find_unused_parameters"):
+                    cost = self._cost(launch)
             except _Stopped as stop:
-                if not self.doomed:
-                    raise
-                # DDP raises at the next forward; a rank that waited for the others in the
-                # all-reduce may fail first, on the broken connection: DDP's error is the one
-                # raised in a forward.
-                raised = [stop.failure, *launch.drain(DRAIN_WAIT)]
-                ddp_error = next(
-                    (f for f in raised if isinstance(f, RankFailed) and f.phase == "forward"),
-                    stop.failure,
-                )
-            if self.doomed:
-                launch.close()
-                raise _Stopped(self._unused_failure(ddp_error))
-            self._wait_reference(launch, lambda: self.reference_info is not None)
-            failure = self._findings()
-            if failure is not None:
-                raise _Stopped(failure)
-            if self.options.get("find_unused_parameters"):
-                cost = self._cost(launch)
-        except _Stopped as stop:
-            if self.mismatch is not None:
-                raise self._collective_failure(*self.mismatch, self._alone_runs(launch)) from None
-            raise stop.failure from None
-        finally:
-            launch.close()
+                if self.mismatch is not None:
+                    raise self._collective_failure(
+                        *self.mismatch, self._alone_runs(launch)
+                    ) from None
+                raise stop.failure from None
         return self._result(startup, cost)
 
     def _alone_runs(self, launch: _Launch) -> list | None:
@@ -1335,27 +1456,26 @@ class _Checker:
             self.method,
             (self.rtol, self.atol),
         )
-        launch = _Launch(self.job, self.method)
         cost, checked = None, ""
-        try:
-            launch.start()
-            launch.send(REFERENCE, "reference", self.steps)
-            remedy._train(launch)
-            remedy._wait_reference(launch, lambda: remedy.reference_info is not None)
-            later = remedy._findings()
-            checked = (
-                "checked here: the ranks then agree with one process on the concatenated batch"
-                if later is None
-                else f"checked here, and then: {type(later).__name__}: {str(later).splitlines()[0]}"
-            )
-            unused = remedy._unused() or unused
-            cost = remedy._cost(launch)
-            reasons = remedy._unused_reasons(unused, launch)
-        except _Stopped as stop:
-            reasons = {}
-            checked = f"checked here, and then: {str(stop.failure).splitlines()[0]}"
-        finally:
-            launch.close()
+        with _Launch(self.job, self.method) as launch:
+            try:
+                launch.start()
+                launch.send(REFERENCE, "reference", self.steps)
+                remedy._train(launch)
+                remedy._wait_reference(launch, lambda: remedy.reference_info is not None)
+                later = remedy._findings()
+                checked = (
+                    "checked here: the ranks then agree with one process on the concatenated batch"
+                    if later is None
+                    else "checked here, and then: "
+                    f"{type(later).__name__}: {str(later).splitlines()[0]}"
+                )
+                unused = remedy._unused() or unused
+                cost = remedy._cost(launch)
+                reasons = remedy._unused_reasons(unused, launch)
+            except _Stopped as stop:
+                reasons = {}
+                checked = f"checked here, and then: {str(stop.failure).splitlines()[0]}"
         lines = [
             f"under DistributedDataParallel(find_unused_parameters=False), {len(unused)} of "
             f"{len(self.names)} parameters of {self.subject} got no gradient on some ranks, so "
@@ -1666,23 +1786,12 @@ def _child_main(
     payload: _Job | bytes, role: int, folder: str, pipes: tuple[Any, Any], *, parent: int
 ) -> None:
     """The life of a rank (or of the single process): join the group, serve commands."""
-    _die_with_parent(parent)
+    _lead_own_group(parent)
     job = payload if isinstance(payload, _Job) else pickle.loads(payload)
     files = _Files(Path(folder), role)
     stack_file = open(files.stack, "w")  # noqa: SIM115 (faulthandler writes to it until the end)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     _Worker(job, role, pipes, files.error).serve(str(files.store))
-
-
-def _die_with_parent(parent: int) -> None:
-    """On Linux, have the kernel kill this process when the test's process dies."""
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    if os.getppid() != parent:  # it died before that
-        os._exit(1)
 
 
 class _Exit(Exception):
@@ -1731,6 +1840,7 @@ class _Worker:
         except Exception as error:
             self._report(error)
             code = 1
+        _end_descendants(os.getpid())  # DataLoader workers, subprocesses: none outlives it
         # Straight out: no finalizer to wait for (the process group goes with the
         # process, its store with the launch's folder).
         os._exit(code)

@@ -891,7 +891,9 @@ def training_check(request: pytest.FixtureRequest) -> Callable[..., Any]:
 
 
 @pytest.fixture
-def ddp_check(request: pytest.FixtureRequest) -> Callable[..., Any]:
+def ddp_check(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Callable[..., Any]:
     """``ddp_check(model_or_fn, /, *inputs_per_rank, world_size=None, backend="gloo",
     steps=3, find_unused_parameters=None, static_graph=None, timeout=60.0, ...)``.
 
@@ -904,8 +906,10 @@ def ddp_check(request: pytest.FixtureRequest) -> Callable[..., Any]:
     decide differently on the same samples, gradients that differ from one process,
     and a rank that raised, died or hung. With ``-v`` each check writes its report:
     the decisions per rank, whether ``find_unused_parameters`` is needed and
-    ``static_graph=True`` safe. See :func:`.ddp_check.ddp_check`.
+    ``static_graph=True`` safe. The processes' files go in pytest's temporary folder
+    (``--basetemp``). See :func:`.ddp_check.ddp_check`.
     """
-    from .ddp_check import ddp_check as check
+    from .ddp_check import ddp_check
 
-    return _reporting(request, "ddp_check", check)
+    check = functools.partial(ddp_check, temp_root=tmp_path_factory.getbasetemp())
+    return _reporting(request, "ddp_check", functools.update_wrapper(check, ddp_check))

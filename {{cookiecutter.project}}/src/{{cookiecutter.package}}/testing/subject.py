@@ -59,7 +59,10 @@ class Subject:
     ``failure`` is the check's own failure class: what the subject raises names the
     check that runs it. ``trains=True`` is for a check that changes the trainable
     parameters on purpose (optimizer steps): they are copied too, and :meth:`reset`
-    puts their values back.
+    puts their values back. ``restores=False`` is for a check that never runs the model
+    on the user's own tensors (gradcheck installs float64 copies and puts the user's
+    tensors back itself): no starting values are copied and no RNG states taken, so
+    :meth:`reset` and :meth:`changed_buffers` are not for it.
     """
 
     def __init__(
@@ -70,6 +73,7 @@ class Subject:
         *,
         failure: type[CheckFailure],
         trains: bool = False,
+        restores: bool = True,
     ) -> None:
         __tracebackhide__ = True
         self.target = target
@@ -79,25 +83,22 @@ class Subject:
         self.check = failure.check
         self.roots = calls.reached_modules(target)
         self.input_names = input_names(target, len(args))
-        modules = [
-            (f"{prefix}.{name}" if prefix and name else prefix or name, module)
-            for prefix, root in self.roots
-            for name, module in root.named_modules(remove_duplicate=False)
-        ]
+        # A slot for every place a module keeps a parameter (a buffer): a tensor held in
+        # several places, or by a module reached under several names, has one for each.
         # Buffers and frozen parameters are copied: forwards update them (running
         # statistics, momentum encoders), not always with a bump of the version counter,
         # so they are compared by value. Trainable parameters are not copied, which
         # would cost as much as a backward's gradients: autograd refuses in-place
         # changes to them, and the ones made anyway (under no_grad) bump the counter.
         # A check that trains changes them on purpose, so it pays for the copies.
-        self._parameter_state: list[Slot] = []
-        self._buffer_state: list[Slot] = []
+        self.parameter_slots: list[Slot] = []
+        self.buffer_slots: list[Slot] = []
         self.parameters: list[tuple[str, torch.Tensor]] = []
         copies: dict[int, torch.Tensor | None] = {}
-        for prefix, submodule in modules:
+        for prefix, submodule in self.named_modules():
             for slots, tensors in (
-                (self._parameter_state, submodule._parameters),
-                (self._buffer_state, submodule._buffers),
+                (self.parameter_slots, submodule._parameters),
+                (self.buffer_slots, submodule._buffers),
             ):
                 for key, tensor in tensors.items():
                     if tensor is None:
@@ -105,9 +106,8 @@ class Subject:
                     name = f"{prefix}.{key}" if prefix else key
                     if id(tensor) not in copies:
                         trainable = isinstance(tensor, nn.Parameter) and tensor.requires_grad
-                        copies[id(tensor)] = (
-                            None if trainable and not trains else tensor.detach().clone()
-                        )
+                        copied = restores and (trains or not trainable)
+                        copies[id(tensor)] = tensor.detach().clone() if copied else None
                         if trainable:
                             self.parameters.append((name, tensor))
                     slots.append(Slot(tensors, key, name, tensor, copies[id(tensor)]))
@@ -119,25 +119,34 @@ class Subject:
                     for n, t in self.named_inputs(args, kwargs)
                     if isinstance(t, torch.Tensor)
                 ),
-                *((f"parameter {slot.name}", slot.tensor) for slot in self._parameter_state),
-                *((f"buffer {slot.name}", slot.tensor) for slot in self._buffer_state),
+                *((f"parameter {slot.name}", slot.tensor) for slot in self.parameter_slots),
+                *((f"buffer {slot.name}", slot.tensor) for slot in self.buffer_slots),
             ],
         )
         self.graph_checked = False
-        self._versions = [slot.tensor._version for slot in self._parameter_state]
-        self._rngs = global_state.rng_states()
+        self._versions = [slot.tensor._version for slot in self.parameter_slots]
+        self._rngs = global_state.rng_states() if restores else ()
         self._ran = False  # whether a run may have changed the state since the last reset
         self._differentiate_all_inputs = not self.parameters and not any(
             isinstance(t, torch.Tensor) and t.requires_grad
-            for _, t in named_leaves((args, kwargs), "")
+            for _, t in self.named_inputs(args, kwargs)
         )
+
+    def named_modules(self) -> list[tuple[str, nn.Module]]:
+        """Every module reached, by its full name (a shared one under each of its names),
+        walked now: a forward may have added submodules since the subject was made."""
+        return [
+            (f"{prefix}.{name}" if prefix and name else prefix or name, module)
+            for prefix, root in self.roots
+            for name, module in root.named_modules(remove_duplicate=False)
+        ]
 
     def reset(self) -> None:
         """Parameters, buffers and RNG states as they were when the check started."""
         if not self._ran:
             return
         with torch.no_grad():
-            for position, slot in enumerate(self._parameter_state):
+            for position, slot in enumerate(self.parameter_slots):
                 slot.put_back()
                 if slot.tensor._version == self._versions[position]:
                     continue
@@ -151,7 +160,7 @@ class Subject:
                     )
                 slot.tensor.copy_(slot.saved)
                 self._versions[position] = slot.tensor._version
-            for slot in self._buffer_state:
+            for slot in self.buffer_slots:
                 slot.put_back()
                 if not bitwise_equal(slot.tensor, slot.saved):
                     slot.tensor.copy_(slot.saved)
@@ -193,7 +202,7 @@ class Subject:
     def changed_buffers(self) -> dict[str, Any]:
         """Copies of the buffers the run changed (in place or by assignment), by name."""
         changed = {}
-        for slot in self._buffer_state:
+        for slot in self.buffer_slots:
             current = slot.owner.get(slot.key)
             if current is not slot.tensor or not bitwise_equal(current, slot.saved):
                 changed[slot.name] = (

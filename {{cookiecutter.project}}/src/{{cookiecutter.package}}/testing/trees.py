@@ -11,13 +11,13 @@ registering the user's class, because a registration is process-wide and permane
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["map_tensors", "named_leaves"]
+__all__ = ["FlatArguments", "flatten_arguments", "leaves", "map_tensors", "named_leaves"]
 
 
 def _unregistered_dataclass(value: Any) -> bool:
@@ -72,3 +72,43 @@ def map_tensors(function: Callable[[torch.Tensor], Any], value: Any) -> Any:
         return item
 
     return pytree.tree_map(leaf, value, is_leaf=_unregistered_dataclass)
+
+
+def leaves(value: Any) -> list[Any]:
+    """Every leaf of ``value`` as pytree flattens it (an unregistered dataclass is one leaf)."""
+    return pytree.tree_leaves(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlatArguments:
+    """A call's ``(args, kwargs)`` as pytree flattens them: each leaf named as the forward
+    names it (``x``, ``x[0]['mask']``, a keyword by its key), and how to rebuild them.
+
+    ``top_level`` says that each leaf is one argument itself (no container among them),
+    so the arguments can be rebuilt without pytree.
+    """
+
+    names: list[str]
+    leaves: list[Any]
+    spec: pytree.TreeSpec
+    top_level: bool
+
+    def rebuild(self, leaves: list[Any]) -> tuple[tuple, dict[str, Any]]:
+        """``(args, kwargs)`` of the same structure, holding ``leaves``."""
+        return pytree.tree_unflatten(leaves, self.spec)
+
+
+def flatten_arguments(
+    args: tuple, kwargs: dict[str, Any], positional_names: Sequence[str]
+) -> FlatArguments:
+    """``args`` and ``kwargs`` flattened; the positional ones named by ``positional_names``."""
+    paths_and_leaves, spec = pytree.tree_flatten_with_path((args, kwargs))
+    names = []
+    for path, _ in paths_and_leaves:
+        # Paths into ((args...), {kwargs}): (0, position, ...) or (1, name, ...).
+        group, key, rest = path[0], path[1], path[2:]
+        head = positional_names[key.idx] if group.idx == 0 else str(key.key)
+        names.append(head + pytree.keystr(rest))
+    top_level = all(len(path) == 2 for path, _ in paths_and_leaves)
+    top_level = top_level and len(paths_and_leaves) == len(args) + len(kwargs)
+    return FlatArguments(names, [leaf for _, leaf in paths_and_leaves], spec, top_level)
