@@ -11,16 +11,16 @@ import contextlib
 import importlib
 import os
 import re
+from functools import partial
 from pathlib import Path
 
 import pytest
+import sessions
 import torch
-from conftest import DEFAULT_PACKAGE, PLUGIN_MODULE
+from conftest import DEFAULT_PACKAGE
 
-
-def run_session(pytester: pytest.Pytester, source: str, *args: str) -> pytest.RunResult:
-    pytester.makepyfile(test_session=source)
-    return pytester.runpytest_subprocess("-p", PLUGIN_MODULE, "-p", "no:cacheprovider", *args)
+# The sessions' sources are f-strings, their package filled in already.
+run_session = partial(sessions.run_session, template=False)
 
 
 def failure_section(result: pytest.RunResult, test_name: str) -> str:
