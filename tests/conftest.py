@@ -127,6 +127,14 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def tool(name: str) -> str:
+    """A linter installed with the test requirements (beside this interpreter) or on PATH."""
+    found = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
+    if found is None:
+        pytest.fail(f"{name} is missing: pip install -r requirements-test.txt")
+    return found
+
+
 def module_environment(
     project: Path, *, path: tuple[Path, ...] = (), **variables: str | None
 ) -> dict[str, str]:

@@ -10,10 +10,11 @@ import json
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from conftest import TEMPLATE_DIR, tool
+from devcontainer import DEVCONTAINER_CLI_VERSION
 
 # Properties of a Dockerfile-based devcontainer.json in the official schema
 # (devContainer.base.schema.json: devContainerCommon, nonComposeBase,
@@ -28,14 +29,6 @@ SPEC_PROPERTIES = {
     "overrideCommand", "workspaceFolder", "workspaceMount", "build",
 }  # fmt: skip
 BUILD_PROPERTIES = {"dockerfile", "context", "target", "args", "cacheFrom"}
-
-
-def tool(name: str) -> str:
-    """A linter installed with the test requirements (beside this interpreter) or on PATH."""
-    found = shutil.which(name, path=str(Path(sys.executable).parent)) or shutil.which(name)
-    if found is None:
-        pytest.fail(f"{name} is missing: pip install -r requirements-test.txt")
-    return found
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["jupyter", "no-jupyter"])
@@ -342,9 +335,6 @@ def test_readme_explains_the_container(project: Path):
 
 
 def test_template_dev_container_for_template_developers():
-    from conftest import TEMPLATE_DIR
-    from test_devcontainer_e2e import DEVCONTAINER_CLI_VERSION
-
     folder = TEMPLATE_DIR / ".devcontainer"
     settings = json.loads((folder / "devcontainer.json").read_text())
     assert set(settings) <= SPEC_PROPERTIES

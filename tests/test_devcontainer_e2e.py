@@ -70,8 +70,8 @@ from pathlib import Path
 
 import pytest
 from conftest import bake_project
+from devcontainer import DEVCONTAINER_CLI_VERSION
 
-DEVCONTAINER_CLI_VERSION = "0.89.0"
 STANDIN_IMAGE = "devcontainer-e2e-standin:bookworm"
 # Bump when the stand-in recipe changes, so a cached tarball is rebuilt.
 STANDIN_RECIPE = 1

@@ -13,8 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import TEMPLATE_DIR, copy_template
-from test_devcontainer import tool
+from conftest import TEMPLATE_DIR, copy_template, tool
 
 GPU_CHECKS = TEMPLATE_DIR / "benchmarks" / "gpu_checks"
 STEPS = ["environment", "plugin", "determinism", "gradcheck", "commands", "compile"]

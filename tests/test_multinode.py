@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 from at_step import plant
-from conftest import DEFAULT_PACKAGE, free_port, module_environment, run_module
-from test_train import assert_bitwise_equal, checkpoint, metrics, reproducible
+from conftest import DEFAULT_PACKAGE, free_port, run_module
+from training import assert_bitwise_equal, checkpoint, gloo_environment, metrics, reproducible
 
 TRAIN = f"{DEFAULT_PACKAGE}.train"
 # 4 processes share 1024 samples in batches of 32: 8 steps an epoch, 32 in all.
@@ -33,16 +33,6 @@ EVERY = ("--checkpoint-every", "5")
 AT_STEP = 13  # in epoch 2
 LAST_CHECKPOINT = 10  # the last one before step 13
 pytestmark = pytest.mark.xdist_group("multinode")  # the runs are set up once (tests/run)
-
-
-def gloo_environment(
-    project: Path, path: tuple[Path, ...] = (), **variables: str
-) -> dict[str, str]:
-    """For gloo processes on the loopback device, one thread each; ``path`` first on
-    PYTHONPATH (see `module_environment`)."""
-    return module_environment(
-        project, path=path, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", **variables
-    )
 
 
 @dataclass(frozen=True)

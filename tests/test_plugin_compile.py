@@ -12,11 +12,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from functools import partial
 from pathlib import Path
 
-import pytest
-from conftest import DEFAULT_PACKAGE, PLUGIN_MODULE, TEMPLATE_DIR
-from test_plugin_gradcheck import assert_failures
+import sessions
+from conftest import DEFAULT_PACKAGE, TEMPLATE_DIR
+from sessions import SEEDED, assert_failures
 
 HELPERS = f'''
 import torch
@@ -24,10 +25,7 @@ from torch import nn
 from {DEFAULT_PACKAGE}.models import CondGatedNet, MeanGatedNet
 
 
-def seeded(factory, seed=0):
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        return factory()
+{SEEDED}
 
 
 def scaled_by_its_maximum(x):
@@ -544,9 +542,7 @@ QUIET = [
 ]
 
 
-def run_session(pytester: pytest.Pytester, source: str, *args: str) -> pytest.RunResult:
-    pytester.makepyfile(helpers=HELPERS, test_session=source.format(package=DEFAULT_PACKAGE))
-    return pytester.runpytest_subprocess("-p", PLUGIN_MODULE, "-p", "no:cacheprovider", *args)
+run_session = partial(sessions.run_session, helpers=HELPERS)
 
 
 def test_models_compile_and_export_as_expected_and_report(plugin_pytester):

@@ -16,8 +16,7 @@ from it, except in the one test that spawns them.
 from __future__ import annotations
 
 from conftest import DEFAULT_PACKAGE
-from test_plugin_gradcheck import assert_failures
-from test_plugin_training import run_session
+from sessions import SEEDED, assert_failures, run_session
 
 HELPERS = f'''
 import os
@@ -39,10 +38,7 @@ def batch(scale=1.0, rows=4, seed=0):
     return torch.randn(rows, 8, generator=torch.Generator().manual_seed(seed)) * scale
 
 
-def seeded(factory, seed=0):
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        return factory()
+{SEEDED}
 
 
 def descendants():

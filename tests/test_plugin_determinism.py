@@ -12,16 +12,16 @@ import importlib
 import os
 import re
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
+import sessions
 import torch
-from conftest import DEFAULT_PACKAGE, PLUGIN_MODULE
+from conftest import DEFAULT_PACKAGE
 
-
-def run_session(pytester: pytest.Pytester, source: str, *args: str) -> pytest.RunResult:
-    pytester.makepyfile(test_session=source)
-    return pytester.runpytest_subprocess("-p", PLUGIN_MODULE, "-p", "no:cacheprovider", *args)
+# The sessions' sources are f-strings, their package filled in already.
+run_session = partial(sessions.run_session, template=False)
 
 
 def failure_section(result: pytest.RunResult, test_name: str) -> str:
@@ -652,7 +652,8 @@ def test_cross_process_run(plugin_pytester: pytest.Pytester, monkeypatch) -> Non
     assert "Its stack, innermost first: test_session.py:" in text
     assert "`time.sleep(0.1)`" in text
     output = re.search(r"Its output \(stdout and stderr\) is in (/\S+)", text)
-    assert output and Path(output[1]).is_file()
+    assert output, text
+    assert Path(output[1]).is_file()
     for pid in (int(hung[1]), int((plugin_pytester.path / "helper.pid").read_text())):
         assert not _running(pid), f"process {pid} outlived the deadline"
     text = failure_section(result, "test_cross_process_difference")
@@ -785,8 +786,8 @@ def test_calling_convention_and_data_less_tensors(plugin_pytester: pytest.Pytest
     text = failure_section(result, "test_unknown_keyword")
     assert (
         "TypeError: autograd_determinism() got unknown keyword argument(s) 'scale': its options "
-        "are forward_kwargs, runs, cross_process, cotangent_seed, child_deadline; keyword arguments of the forward go in "
-        "forward_kwargs={'scale': ...}" in text
+        "are forward_kwargs, runs, cross_process, cotangent_seed, child_deadline; keyword "
+        "arguments of the forward go in forward_kwargs={'scale': ...}" in text
     )
     text = failure_section(result, "test_forward_kwargs_not_a_mapping")
     assert "TypeError: autograd_determinism: forward_kwargs must be a mapping" in text

@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import DEFAULT_PACKAGE, PLUGIN_MODULE, module_environment
-from test_plugin_gradcheck import failure_reports
+from sessions import failure_reports
 
 
 @pytest.fixture

@@ -11,7 +11,7 @@ the fixture.
 from __future__ import annotations
 
 import pytest
-from test_plugin_gradcheck import check_session
+from gradcheck_sessions import check_session
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from test_plugin_gradcheck import assert_failures, check_session, failure_reports, run_session
+from gradcheck_sessions import check_session, run_session
+from sessions import assert_failures, failure_reports
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

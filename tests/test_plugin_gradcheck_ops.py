@@ -18,7 +18,7 @@ import op_db_sweep as sweep
 import pytest
 import torch
 from conftest import DEFAULT_PACKAGE
-from test_plugin_gradcheck import check_session
+from gradcheck_sessions import check_session
 
 # Every 10th op of torch's list (a spread over its families), and the ops each of
 # which stands for a kind of op the fixture once got wrong or that is checked through

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from conftest import PLUGIN_MODULE
-from test_plugin_gradcheck import assert_failures
+from sessions import assert_failures
 
 for _library in ("transformers", "torchdiffeq", "torch_geometric"):
     pytest.importorskip(_library, reason=f"{_library} is in requirements-libraries.txt")

@@ -10,9 +10,11 @@ interpreter (``runpytest_subprocess``), as a user's does.
 
 from __future__ import annotations
 
-import pytest
-from conftest import DEFAULT_PACKAGE, PLUGIN_MODULE
-from test_plugin_gradcheck import assert_failures
+from functools import partial
+
+import sessions
+from conftest import DEFAULT_PACKAGE
+from sessions import SEEDED, assert_failures
 
 HELPERS = f'''
 import torch
@@ -28,10 +30,7 @@ def batch(scale=1.0, rows=8, seed=0):
     return x, torch.randint(0, 3, (rows,), generator=generator)
 
 
-def seeded(factory, seed=0):
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        return factory()
+{SEEDED}
 
 
 class Encoder(nn.Module):
@@ -398,12 +397,7 @@ EXPECTED_FAILURES = {
 }
 
 
-def run_session(
-    pytester: pytest.Pytester, source: str, *args: str, helpers: str = HELPERS
-) -> pytest.RunResult:
-    """A pytest session in a fresh interpreter with the plugin, ``helpers.py`` and ``source``."""
-    pytester.makepyfile(helpers=helpers, test_session=source.format(package=DEFAULT_PACKAGE))
-    return pytester.runpytest_subprocess("-p", PLUGIN_MODULE, "-p", "no:cacheprovider", *args)
+run_session = partial(sessions.run_session, helpers=HELPERS)
 
 
 def test_models_that_learn_pass_and_report(plugin_pytester):

@@ -32,8 +32,7 @@ import pytest
 import slurm_cluster
 from at_step import plant
 from conftest import DEFAULT_PACKAGE, bake_project, module_environment, run_module
-from test_multinode import gloo_environment
-from test_train import assert_bitwise_equal, checkpoint, metrics, reproducible
+from training import assert_bitwise_equal, checkpoint, gloo_environment, metrics, reproducible
 
 MISSING = slurm_cluster.missing_requirement()
 pytestmark = [

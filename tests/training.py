@@ -133,11 +133,19 @@ def usage_error(train_module, capsys, *argv: str) -> str:
     return lines[-1].removeprefix(prefix)
 
 
-def torchrun(project: Path, *args: str, path: tuple[Path, ...] = (), **variables: str):
-    """``torchrun --standalone`` with 2 CPU processes talking gloo over the loopback device."""
-    environ = module_environment(
+def gloo_environment(
+    project: Path, path: tuple[Path, ...] = (), **variables: str
+) -> dict[str, str]:
+    """For gloo processes on the loopback device, one thread each; ``path`` first on
+    PYTHONPATH (see `module_environment`)."""
+    return module_environment(
         project, path=path, GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", **variables
     )
+
+
+def torchrun(project: Path, *args: str, path: tuple[Path, ...] = (), **variables: str):
+    """``torchrun --standalone`` with 2 CPU processes talking gloo over the loopback device."""
+    environ = gloo_environment(project, path, **variables)
     command = ("torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", TRAIN)
     return run_module(project, *command, *args, env=environ)
 
