@@ -33,7 +33,7 @@ from .failures import CheckFailure, quoted
 from .frames import CallPath, Origin, call_path, origin, stack_frames, traceback_frames
 from .naming import describe_callable
 from .rewrites import rewrite
-from .subject import Subject
+from .subject import FunctionModule, Subject
 from .trees import named_leaves
 
 __all__ = [
@@ -176,18 +176,6 @@ class DraftReport:
         return lines
 
 
-class _FunctionModule(nn.Module):
-    """A plain function as the module ``torch.export.export`` wants."""
-
-    def __init__(self, function: Callable[..., Any]) -> None:
-        super().__init__()
-        self.function = function
-        self.__wrapped__ = function  # inputs are named by the function's parameters
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.function(*args, **kwargs)
-
-
 @control_flow.without_torch_function_modes()
 def export_check(
     model_or_fn: Callable[..., Any],
@@ -221,7 +209,7 @@ def export_check(
     options.flag("export_check", "strict", strict)
     kwargs = forward_kwargs_of("export_check", forward_kwargs)
     sets = input_sets("export_check", inputs, inputs_list)
-    module = model_or_fn if isinstance(model_or_fn, nn.Module) else _FunctionModule(model_or_fn)
+    module = model_or_fn if isinstance(model_or_fn, nn.Module) else FunctionModule(model_or_fn)
     name = describe_callable(model_or_fn)
     subject = Subject(module, sets[0], kwargs, failure=ExportCheckFailure)
     above = stack_frames(sys._getframe())  # the test's line, above the check

@@ -26,7 +26,25 @@ from .failures import CheckFailure
 from .naming import input_names
 from .trees import map_tensors, named_leaves
 
-__all__ = ["Inputs", "Slot", "Subject"]
+__all__ = ["FunctionModule", "Inputs", "Slot", "Subject"]
+
+
+class FunctionModule(nn.Module):
+    """A plain function as the module a torch API wants (``torch.export.export``, DDP).
+
+    ``modules``, the modules the function reaches (`.calls.reached_modules`), are
+    registered, so their parameters are this module's; its inputs are named by the
+    function's parameters (``__wrapped__``, which `inspect.signature` follows).
+    """
+
+    def __init__(self, function: Callable[..., Any], modules: tuple[nn.Module, ...] = ()) -> None:
+        super().__init__()
+        self.function = function
+        self.reached = nn.ModuleList(modules)
+        self.__wrapped__ = function
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.function(*args, **kwargs)
 
 
 @dataclass(frozen=True)
