@@ -1,7 +1,8 @@
 """The checks side by side on one shared floor: what they share, and that none reaches another.
 
 - The generated project's ``tests/test_architecture.py`` passes as generated, and fails
-  when a check imports another check or the plugin imports torch.
+  when a check imports another check or the plugin imports torch, when ARCHITECTURE.md
+  misses a module (a package's module too) or an import from ``testing/`` outside it.
 - What the floor raises names the check that runs it: the same model fault under
   ``compile_check``, ``export_check`` and ``autograd_determinism`` gets each check's own
   failure class and name, and no private class escapes.
@@ -59,7 +60,7 @@ def test_architecture_test_passes_as_generated(default_project: Path):
     checks = ("compile_check", "ddp_check", "decisions", "determinism", "export_check")
     for check in (*checks, "gradcheck", "training_check"):
         assert f"test_a_check_imports_no_other_check[{check}] PASSED" in run.stdout
-    assert "9 passed" in run.stdout.splitlines()[-1]
+    assert "11 passed" in run.stdout.splitlines()[-1]
 
 
 @pytest.mark.parametrize(
@@ -90,11 +91,63 @@ def test_architecture_test_fails_on_a_forbidden_import(
     project = Path(shutil.copytree(default_project, tmp_path / "project"))
     testing = project / "src" / DEFAULT_PACKAGE / "testing"
     (testing / "shortcut.py").write_text('"""A helper placed beside the checks."""\n')
-    source = testing / f"{module}.py"
+    source = (
+        testing / module / "__init__.py"
+        if (testing / module).is_dir()
+        else testing / f"{module}.py"
+    )
     source.write_text(source.read_text() + added)
     run = architecture_tests(project)
     assert run.returncode == 1, run.stdout + run.stderr
     assert expected in run.stdout
+
+
+def without_line(text: str, line_start: str) -> str:
+    """``text`` without the one line that starts with ``line_start``."""
+    lines = text.splitlines(keepends=True)
+    found = [line for line in lines if line.startswith(line_start)]
+    assert len(found) == 1, (line_start, found)
+    return "".join(line for line in lines if line not in found)
+
+
+@pytest.mark.parametrize(
+    ("plant", "expected"),
+    [
+        (
+            lambda project, testing: (project / "ARCHITECTURE.md").write_text(
+                without_line((project / "ARCHITECTURE.md").read_text(), "| `determinism.py` |")
+            ),
+            "does not match the modules of {src}: testing/determinism.py.",
+        ),
+        (
+            lambda project, testing: (project / "ARCHITECTURE.md").write_text(
+                without_line((project / "ARCHITECTURE.md").read_text(), "  screen.py ")
+            ),
+            "does not match the modules of {src}: gradcheck/screen.py.",
+        ),
+        (
+            lambda project, testing: (testing / "shortcut.py").write_text('"""A helper."""\n'),
+            "does not match the modules of {src}: testing/shortcut.py.",
+        ),
+        (
+            lambda project, testing: (testing.parent / "train.py").write_text(
+                (testing.parent / "train.py").read_text()
+                + "from .testing.gradcheck import gradcheck  # noqa: E402, F401\n"
+            ),
+            "not listed: [('train.py', 'testing.gradcheck')], listed but not imported: []",
+        ),
+    ],
+    ids=["check-unnamed", "package-module-unnamed", "new-module-unnamed", "import-unlisted"],
+)
+def test_architecture_test_fails_when_architecture_md_misses_a_module(
+    default_project: Path, tmp_path: Path, plant, expected: str
+):
+    project = Path(shutil.copytree(default_project, tmp_path / "project"))
+    src = project / "src" / DEFAULT_PACKAGE
+    plant(project, src / "testing")
+    run = architecture_tests(project)
+    assert run.returncode == 1, run.stdout + run.stderr
+    assert expected.format(src=src) in run.stdout, run.stdout
 
 
 SESSION = f"""

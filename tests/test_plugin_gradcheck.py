@@ -306,7 +306,7 @@ EXPECTED_FAILURES = {
         "E*TypeError: gradcheck: test_no_floating_point_output.<lambda> returned a torch.int64 "
         "tensor, which holds no floating-point tensor*",
     ],
-    "test_bad_option": ["E*ValueError: gradcheck: eps must be a finite number > 0, got 0"],
+    "test_bad_option": ["E*ValueError: gradcheck: eps=0 is not allowed: expected a number > 0"],
 }
 
 
@@ -687,6 +687,46 @@ def test_generated_gradient_tests_pass(plugin_pytester, default_project: Path):
     result.assert_outcomes(passed=18, skipped=7)
 
 
+BAD_ARGUMENTS = """
+import pytest
+import torch
+
+CASES = [
+    ("model_or_fn", 3, TypeError, "an nn.Module or a callable"),
+    ("eps", 0, ValueError, "a number > 0"),
+    ("eps", "1e-6", TypeError, "a number > 0"),
+    ("atol", -1e-5, ValueError, "a number >= 0"),
+    ("rtol", float("nan"), ValueError, "a number >= 0"),
+    ("gradgrad", 1, TypeError, "True or False"),
+    ("avoid_boundaries", None, TypeError, "True or False"),
+    ("fast", "yes", TypeError, "None or True or False"),
+    ("params", 3, TypeError, "True, False or a list of parameter names"),
+    ("branches", "every", ValueError, "one of 'point', 'all'"),
+]
+
+
+@pytest.mark.parametrize("option, value, error, expected", CASES)
+def test_refused(gradcheck, option, value, error, expected):
+    torch.manual_seed(0)
+    x = torch.randn(3, requires_grad=True)
+    if option == "model_or_fn":
+        call = lambda: gradcheck(value, x)
+    else:
+        call = lambda: gradcheck(torch.sin, x, **{{option: value}})
+    with pytest.raises(error) as raised:
+        call()
+    assert str(raised.value) == (
+        f"gradcheck: {{option}}={{value!r}} is not allowed: expected {{expected}}"
+    )
+"""
+
+
+def test_bad_arguments_are_named_in_one_line(plugin_pytester: pytest.Pytester) -> None:
+    """Each option refused with its name, the value and what is allowed, in the format all
+    checks share; the wrong type a TypeError, a value out of bounds a ValueError."""
+    run_session(plugin_pytester, BAD_ARGUMENTS).assert_outcomes(passed=10)
+
+
 def test_fixture_is_listed_with_its_usage(plugin_pytester):
     plugin_pytester.makepyfile(
         test_imports=textwrap.dedent(
@@ -699,4 +739,4 @@ def test_fixture_is_listed_with_its_usage(plugin_pytester):
     result = plugin_pytester.runpytest_subprocess(
         "-p", PLUGIN_MODULE, "--fixtures", "-p", "no:cacheprovider"
     )
-    result.stdout.fnmatch_lines(["gradcheck -- *", "    ``gradcheck(model_or_function, *"])
+    result.stdout.fnmatch_lines(["gradcheck -- *", "    ``gradcheck(model_or_fn, *"])

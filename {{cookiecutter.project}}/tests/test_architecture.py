@@ -1,21 +1,138 @@
-"""The shape of the bundled plugin's code (ARCHITECTURE.md): checks side by side on one floor.
+"""The shape of the package's code, and ARCHITECTURE.md kept true to it.
 
 Each check module is imported in a fresh interpreter: it may pull in torch and the
 shared floor (``testing.SHARED_FLOOR``), never another check. The plugin module, which
-pytest loads in every run, must load without torch.
+pytest loads in every run, must load without torch. ARCHITECTURE.md names every module
+of the package (a package's modules in its own block) and lists every import from
+``testing/`` outside it, each of a floor module.
 """
 
+import ast
 import pkgutil
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+import {{ cookiecutter.package }}
 from {{ cookiecutter.package }} import testing
 
 PACKAGE = testing.__name__
 MODULES = sorted(module.name for module in pkgutil.iter_modules(testing.__path__))
 CHECKS = [name for name in MODULES if name not in testing.SHARED_FLOOR and name != "plugin"]
+SOURCE = Path({{ cookiecutter.package }}.__file__).parent
+ARCHITECTURE = Path(__file__).resolve().parents[1] / "ARCHITECTURE.md"
+# The fenced text blocks of ARCHITECTURE.md: the rooms drawn as a file tree.
+TEXT_BLOCK = re.compile(r"^```text\n(.*?)^```", re.M | re.S)
+# The header of the table that lists the imports from testing/ outside it.
+IMPORTS_TABLE = "| module | imports | why |"
+
+
+def named(text: str, file_name: str) -> bool:
+    """Whether ``text`` names ``file_name`` (``train.py``, ``gradcheck/``) as a whole word."""
+    return re.search(rf"(?<![\w/.]){re.escape(file_name)}(?![\w/])", text) is not None
+
+
+def package_blocks(text: str) -> dict[str, str]:
+    """The text blocks that draw a package's rooms, by the package's folder (``gradcheck/``)."""
+    blocks = {}
+    for block in TEXT_BLOCK.findall(text):
+        first, _, rest = block.partition("\n")
+        if re.fullmatch(r"[\w]+/", first.strip()) and first == first.lstrip():
+            blocks[first.strip()] = rest
+    return blocks
+
+
+def rooms(folder: Path) -> list[tuple[str, Path]]:
+    """Every module and package in ``folder``, as ARCHITECTURE.md names them."""
+    found = []
+    for module in pkgutil.iter_modules([str(folder)]):
+        name = f"{module.name}/" if module.ispkg else f"{module.name}.py"
+        found.append((name, folder / name))
+    return sorted(found)
+
+
+def test_architecture_names_every_module():
+    text = ARCHITECTURE.read_text()
+    blocks = package_blocks(text)
+    missing = [
+        str(path.relative_to(SOURCE))
+        for folder in (SOURCE, SOURCE / "testing")
+        for name, path in rooms(folder)
+        if not named(text, name)
+    ]
+    for package, path in rooms(SOURCE / "testing"):
+        if not package.endswith("/"):
+            continue
+        block = blocks.get(package, "")
+        missing += [f"{package}{name}" for name, _ in rooms(path) if not named(block, name)]
+        missing += [
+            f"{package}{listed} (listed, but no such module)"
+            for listed in re.findall(r"^\s+(\w+\.py)\b", block, re.M)
+            if listed != "__init__.py" and not (path / listed).is_file()
+        ]
+    assert not missing, (
+        f"ARCHITECTURE.md does not match the modules of {SOURCE}: {', '.join(missing)}. Name "
+        "each module where it belongs (the rooms, the floor table, the checks table), and "
+        "the modules of a package in a text block that starts with its folder (gradcheck/)"
+    )
+
+
+def imports_from_testing() -> set[tuple[str, str]]:
+    """(module, testing module it imports) for every module of the package outside testing/."""
+    top = PACKAGE.rpartition(".")[0]
+    found = set()
+    for path in sorted(SOURCE.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = (
+                    node.module if node.level == 0 else ".".join(filter(None, [top, node.module]))
+                )
+                modules = [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for module in modules:
+                if module.startswith(f"{PACKAGE}."):
+                    found.add(
+                        (path.name, "testing." + module.removeprefix(PACKAGE + ".").split(".")[0])
+                    )
+    return found
+
+
+def listed_imports(text: str) -> set[tuple[str, str]]:
+    """The rows of ARCHITECTURE.md's table of imports from testing/ outside it."""
+    _, found, table = text.partition(IMPORTS_TABLE)
+    assert found, f"ARCHITECTURE.md has no table headed {IMPORTS_TABLE!r}"
+    rows = set()
+    for line in table.splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        module, imported = (cell.strip().strip("`") for cell in line.split("|")[1:3])
+        rows.add((module, imported))
+    return rows
+
+
+def test_architecture_lists_every_import_from_testing_outside_it():
+    actual = imports_from_testing()
+    listed = listed_imports(ARCHITECTURE.read_text())
+    assert actual == listed, (
+        "ARCHITECTURE.md's imports from testing/ outside it are not the package's: "
+        f"not listed: {sorted(actual - listed)}, listed but not imported: "
+        f"{sorted(listed - actual)}"
+    )
+    not_floor = sorted(
+        (module, imported)
+        for module, imported in actual
+        if imported.removeprefix("testing.") not in testing.SHARED_FLOOR
+    )
+    assert not not_floor, (
+        f"{not_floor}: outside testing/ a module imports only the shared floor "
+        "(testing.SHARED_FLOOR), never a check or the plugin"
+    )
 
 
 def modules_loaded_by(statement: str) -> set[str]:

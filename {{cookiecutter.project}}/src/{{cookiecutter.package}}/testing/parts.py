@@ -32,10 +32,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils import _pytree as pytree
 
 from .control_flow import TORCH_DIR, UNKNOWN_LOCATION, Location, user_location
-from .trees import map_tensors
+from .trees import map_leaves, map_tensors
 
 __all__ = ["FunctionCall", "ModuleCall", "Parts", "State", "definition", "record_parts"]
 
@@ -168,7 +167,7 @@ def _copy(value: Any) -> Any:
         except Exception:  # what cannot be copied is passed as it is
             return leaf
 
-    return pytree.tree_map(state, map_tensors(copy_tensor, value))
+    return map_leaves(state, map_tensors(copy_tensor, value))
 
 
 class _Recorder:

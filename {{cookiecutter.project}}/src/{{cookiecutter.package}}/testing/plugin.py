@@ -813,7 +813,7 @@ def autograd_determinism(request: pytest.FixtureRequest) -> Iterator[Callable[..
 
 @pytest.fixture
 def gradcheck(request: pytest.FixtureRequest) -> Callable[..., Any]:
-    """``gradcheck(model_or_function, /, *inputs, forward_kwargs=None, params=True,
+    """``gradcheck(model_or_fn, /, *inputs, forward_kwargs=None, params=True,
     gradgrad=False, fast=None, branches="point", ...)``.
 
     Compares autograd's gradients with finite differences, in float64 end to end, for

@@ -17,7 +17,14 @@ from typing import Any
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["FlatArguments", "flatten_arguments", "leaves", "map_tensors", "named_leaves"]
+__all__ = [
+    "FlatArguments",
+    "flatten_arguments",
+    "leaves",
+    "map_leaves",
+    "map_tensors",
+    "named_leaves",
+]
 
 
 def _unregistered_dataclass(value: Any) -> bool:
@@ -72,6 +79,11 @@ def map_tensors(function: Callable[[torch.Tensor], Any], value: Any) -> Any:
         return item
 
     return pytree.tree_map(leaf, value, is_leaf=_unregistered_dataclass)
+
+
+def map_leaves(function: Callable[[Any], Any], value: Any) -> Any:
+    """``value`` with every leaf as pytree flattens it replaced by ``function(leaf)``."""
+    return pytree.tree_map(function, value)
 
 
 def leaves(value: Any) -> list[Any]:

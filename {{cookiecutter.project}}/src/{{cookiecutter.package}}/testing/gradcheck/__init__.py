@@ -49,13 +49,13 @@ check's random weights and directions), :mod:`.results` (failures and the result
 from __future__ import annotations
 
 import contextlib
-import math
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from .. import options
 from ..branches import BranchSide, other_sides
 from ..calls import forward_kwargs_of, reject_unknown_keywords
 from ..float64 import CannotStayFloat64
@@ -96,7 +96,7 @@ __all__ = [
 
 
 def gradcheck(
-    model_or_function: Callable[..., Any],
+    model_or_fn: Callable[..., Any],
     /,
     *inputs: Any,
     forward_kwargs: Mapping[str, Any] | None = None,
@@ -110,7 +110,7 @@ def gradcheck(
     branches: str = "point",
     **unknown: Any,
 ) -> GradcheckResult:
-    """Check the gradients of ``model_or_function(*inputs, **forward_kwargs)`` numerically.
+    """Check the gradients of ``model_or_fn(*inputs, **forward_kwargs)`` numerically.
 
     Checked: every floating-point (or complex) tensor in ``inputs``/``forward_kwargs``
     that requires grad and every parameter that requires grad of the modules the
@@ -143,14 +143,10 @@ def gradcheck(
     kwargs = forward_kwargs_of("gradcheck", forward_kwargs)
     if not isinstance(params, (bool, str, bytes)) and isinstance(params, Iterable):
         params = list(params)
-    _validate_options(model_or_function, params, gradgrad, fast, eps, atol, rtol, avoid_boundaries)
-    if branches not in BRANCH_CHOICES:
-        raise ValueError(
-            f"gradcheck: branches={branches!r} is not allowed: expected one of "
-            f"{', '.join(map(repr, BRANCH_CHOICES))}"
-        )
+    _validate_options(model_or_fn, params, gradgrad, fast, eps, atol, rtol, avoid_boundaries)
+    options.choice("gradcheck", "branches", branches, BRANCH_CHOICES)
     started = time.perf_counter()
-    problem = Problem(model_or_function, inputs, kwargs, params)
+    problem = Problem(model_or_fn, inputs, kwargs, params)
     elements = sum(checked.numel for checked in problem.checked)
     if fast is None:
         use_fast = elements > FAST_MODE_ABOVE
@@ -286,27 +282,16 @@ def _check_other_sides(
 
 def _validate_options(function, params, gradgrad, fast, eps, atol, rtol, avoid_boundaries) -> None:
     __tracebackhide__ = True
-    if not callable(function):
-        raise TypeError(
-            f"gradcheck: model_or_function must be an nn.Module or a callable, "
-            f"got {type(function).__name__} {function!r}"
-        )
-    for name, value in (("gradgrad", gradgrad), ("avoid_boundaries", avoid_boundaries)):
-        if not isinstance(value, bool):
-            raise TypeError(f"gradcheck: {name} must be True or False, got {value!r}")
-    if fast is not None and not isinstance(fast, bool):
-        raise TypeError(f"gradcheck: fast must be None, True or False, got {fast!r}")
+    options.function("gradcheck", "model_or_fn", function, "an nn.Module or a callable")
+    options.flag("gradcheck", "gradgrad", gradgrad)
+    options.flag("gradcheck", "avoid_boundaries", avoid_boundaries)
+    options.flag("gradcheck", "fast", fast, optional=True)
     if not (isinstance(params, bool) or _is_name_list(params)):
-        raise TypeError(
-            f"gradcheck: params must be True, False or a list of parameter names, got {params!r}"
-        )
-    for name, value, smallest in (("eps", eps, None), ("atol", atol, 0.0), ("rtol", rtol, 0.0)):
-        ok = (
-            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        )
-        if not ok or (value <= 0 if smallest is None else value < smallest):
-            allowed = "a finite number > 0" if smallest is None else "a finite number >= 0"
-            raise ValueError(f"gradcheck: {name} must be {allowed}, got {value!r}")
+        expected = "True, False or a list of parameter names"
+        raise options.refuse("gradcheck", "params", params, expected, TypeError)
+    options.number("gradcheck", "eps", eps)
+    options.number("gradcheck", "atol", atol, zero=True)
+    options.number("gradcheck", "rtol", rtol, zero=True)
 
 
 def _is_name_list(value: Any) -> bool:

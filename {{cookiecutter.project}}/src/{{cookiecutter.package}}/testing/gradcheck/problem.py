@@ -95,7 +95,7 @@ class NoFloatingOutput(TypeError):
 
 
 class Problem:
-    """``model_or_function`` as a function of the checked float64 tensors.
+    """``model_or_fn`` as a function of the checked float64 tensors.
 
     While :meth:`installed` is active, every module the callable reaches holds float64
     tensors in place of its parameters and buffers, so that whatever runs the module
