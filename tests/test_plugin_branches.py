@@ -6,7 +6,7 @@ Each session runs in its own interpreter (``runpytest_subprocess``), as a user's
 from __future__ import annotations
 
 import pytest
-from conftest import PLUGIN_MODULE
+from conftest import DEFAULT_PACKAGE, PLUGIN_MODULE
 
 MODELS = """
 import torch
@@ -35,6 +35,31 @@ class BuggyOnTheNegativeSide(nn.Module):
         h = self.linear(x)
         if h.mean() > 0:
             return h**2
+        return ScaledTanh.apply(h)
+
+
+class ScaledSquare(torch.autograd.Function):
+    # x**2 whose backward is 2% too large.
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x**2
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * 2 * x * 1.02
+
+
+class BuggyOnBothSides(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.linear(x)
+        if h.mean() > 0:
+            return ScaledSquare.apply(h)
         return ScaledTanh.apply(h)
 
 
@@ -109,7 +134,8 @@ def test_bad_branches_value(gradcheck):
 
 LINES = MODELS.strip("\n").splitlines()
 BUGGY_GATE = LINES.index("        if h.mean() > 0:") + 1
-GATED_GATE = LINES.index("        if h.mean() > 0:", BUGGY_GATE) + 1
+BOTH_GATE = LINES.index("        if h.mean() > 0:", BUGGY_GATE) + 1
+GATED_GATE = LINES.index("        if h.mean() > 0:", BOTH_GATE) + 1
 
 
 def test_a_bug_in_the_branch_not_taken_is_caught_only_with_branches_all(plugin_pytester):
@@ -133,6 +159,56 @@ def test_a_bug_in_the_branch_not_taken_is_caught_only_with_branches_all(plugin_p
             "moved by * of their norm (* forward passes)"
         ]
     )
+
+
+BOTH_SIDES_TESTS = """
+import pytest
+import torch
+from models import BuggyOnBothSides
+from {package}.testing.gradcheck import WrongGradient
+
+
+def positive_point():
+    torch.manual_seed(0)
+    model = BuggyOnBothSides()
+    with torch.no_grad():
+        model.linear.bias.fill_(0.5)
+    torch.manual_seed(0)
+    return model, torch.randn(2, 4, requires_grad=True)
+
+
+def test_every_side_is_checked_and_reported(gradcheck):
+    model, x = positive_point()
+    with pytest.raises(WrongGradient) as raised:
+        gradcheck(model, x, branches="all")
+    point, also = str(raised.value).split("\\nalso:\\n")
+    assert not point.startswith("on the other side"), point
+    assert "ScaledSquare" in point, point  # the point's wrong gradient, narrowed down
+    assert also.startswith(
+        "  WrongGradient: on the other side of the branch at models.py:{gate} "
+        "(if h.mean() > 0:): False there, True at the given point"
+    ), also
+
+
+def test_the_point_alone_reports_the_point_alone(gradcheck):
+    model, x = positive_point()
+    with pytest.raises(WrongGradient) as raised:
+        gradcheck(model, x)
+    assert "also:" not in str(raised.value)
+    assert "ScaledSquare" in str(raised.value)
+"""
+
+
+def test_a_failure_at_the_point_and_one_on_the_other_side_are_both_reported(plugin_pytester):
+    """The point's wrong gradient (2% in one custom Function) is the failure raised,
+    narrowed down to that Function; the other side's (1.5x in another) follows it after
+    ``also:``; with ``branches="point"`` only the point's is there."""
+    plugin_pytester.makepyfile(
+        models=MODELS,
+        test_both=BOTH_SIDES_TESTS.format(package=DEFAULT_PACKAGE, gate=BOTH_GATE),
+    )
+    result = plugin_pytester.runpytest_subprocess("-p", PLUGIN_MODULE, "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
 
 
 @pytest.mark.parametrize("value", ["point", "all"])

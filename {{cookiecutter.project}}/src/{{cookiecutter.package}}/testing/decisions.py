@@ -303,7 +303,7 @@ class Coverage:
         return lines
 
 
-class _Recorder(DecisionMode):
+class _CoverageRecorder(DecisionMode):
     def __init__(self, coverage: Coverage) -> None:
         super().__init__()
         self.coverage = coverage
@@ -419,5 +419,5 @@ def _negations(code: CodeType, offset: int, line: int) -> int:
 def recording(coverage: Coverage, test: str) -> Iterator[None]:
     """Count the decisions ``test`` makes inside the block into ``coverage``."""
     coverage.test = test
-    with _Recorder(coverage):
+    with _CoverageRecorder(coverage):
         yield

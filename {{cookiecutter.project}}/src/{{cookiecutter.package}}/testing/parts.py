@@ -170,7 +170,7 @@ def _copy(value: Any) -> Any:
     return map_leaves(state, map_tensors(copy_tensor, value))
 
 
-class _Recorder:
+class _PartsRecorder:
     def __init__(self, names: dict[int, str]) -> None:
         self.names = names
         self.parts = Parts()
@@ -224,7 +224,7 @@ def record_parts(names: dict[int, str]) -> Iterator[Parts]:
 
     ``names`` maps ``id(module)`` to the name reports use (``experts.2``).
     """
-    recorder = _Recorder(names)
+    recorder = _PartsRecorder(names)
     previous: Callable[..., Any] | None = sys.getprofile()
     sys.setprofile(recorder)
     try:

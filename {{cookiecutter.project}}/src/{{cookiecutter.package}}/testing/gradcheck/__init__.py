@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,6 +59,7 @@ import torch
 from .. import options
 from ..branches import BranchSide, other_sides
 from ..calls import forward_kwargs_of, reject_unknown_keywords
+from ..failures import most_fundamental
 from ..float64 import CannotStayFloat64
 from .diagnosis import ELEMENTWISE_LIMIT
 from .localization import localized
@@ -125,7 +127,9 @@ def gradcheck(
     when the point is on a branch boundary or a kink. ``branches="all"`` checks, besides
     the point, a nearby point on the other side of each branch decision the point
     reaches (see :mod:`.branches`); where none is found within the bound, the result
-    says so, and that alone is no failure. Options are keyword-only; any
+    says so, and that alone is no failure; every side is checked even when the point
+    fails, and the failure raised is the point's (else the first side's) with the
+    others after ``also:``. Options are keyword-only; any
     other keyword is a ``TypeError``: the forward's keyword arguments go in
     ``forward_kwargs``.
 
@@ -159,16 +163,7 @@ def gradcheck(
     with _rngs_kept(problem.generators) as states:
         problem.start_from(states)
         try:
-            moved, sides = _run(problem, check, orders, avoid_boundaries, branches)
-        except WrongGradient as failure:
-            if failure.order != 1:
-                raise
-            raise localized(problem, check, failure) from None
-        except _OnTheOtherSide as other:
-            failure = other.failure
-            if isinstance(failure, WrongGradient) and failure.order == 1:
-                failure = localized(problem, check, failure, other.side.values)
-            raise other.reported(failure) from None
+            moved, sides, found = _run(problem, check, orders, avoid_boundaries, branches)
         except (GradcheckFailure, CannotStayFloat64):
             raise
         except Exception as error:
@@ -176,6 +171,11 @@ def gradcheck(
             if explained is None:
                 raise
             raise explained from None
+        failure = most_fundamental(
+            [_reported(problem, check, finding, i == 0) for i, finding in enumerate(found)]
+        )
+        if failure is not None:
+            raise failure
     return GradcheckResult(
         function=problem.description,
         tensors=tuple((c.name, c.numel) for c in problem.checked),
@@ -193,17 +193,27 @@ def gradcheck(
     )
 
 
+@dataclass(frozen=True)
+class _Finding:
+    """A failure at the point (``side`` None) or on the other side of a branch."""
+
+    failure: GradcheckFailure
+    side: BranchSide | None = None
+
+
 def _run(
     problem: Problem,
     check: Check,
     orders: tuple[int, ...],
     avoid_boundaries: bool,
     branches: str,
-) -> tuple[int, tuple[BranchSide, ...]]:
+) -> tuple[int, tuple[BranchSide, ...], list[_Finding]]:
     """Check each order at the point (moved off boundaries on request), then the other
-    sides of its branches; how often the point moved, and the sides."""
+    sides of its branches, even when the point failed: how often the point moved, the
+    sides, and what failed, the point first."""
     __tracebackhide__ = True
     moved = 0
+    found = []
     with problem.installed():
         while True:
             try:
@@ -212,15 +222,41 @@ def _run(
                 break
             except (BranchBoundary, NonDifferentiablePoint) as failure:
                 if not avoid_boundaries:
-                    raise
+                    found.append(_Finding(failure))
+                    break
                 if moved == JITTER_ATTEMPTS:
                     note = f"(still so after moving the point {moved} times: avoid_boundaries=True)"
                     failure.args = (f"{failure}\n{note}",)
-                    raise
+                    found.append(_Finding(failure))
+                    break
                 moved += 1
                 problem.jitter(moved)
-        sides = _check_other_sides(problem, check, orders) if branches == "all" else ()
-    return moved, sides
+            except GradcheckFailure as failure:
+                found.append(_Finding(failure))
+                break
+        sides = ()
+        if branches == "all":
+            sides, on_other_sides = _check_other_sides(problem, check, orders)
+            found += on_other_sides
+    return moved, sides, found
+
+
+def _reported(
+    problem: Problem, check: Check, finding: _Finding, localize: bool
+) -> GradcheckFailure:
+    """``finding``'s failure as reported: a first-order wrong gradient narrowed down to
+    where it enters when ``localize`` (the first finding: each costs a diagnosis), one
+    on the other side of a branch saying which side."""
+    failure, side = finding.failure, finding.side
+    if localize and isinstance(failure, WrongGradient) and failure.order == 1:
+        failure = localized(problem, check, failure, None if side is None else side.values)
+    if side is not None:
+        failure.args = (
+            f"on the other side of the branch at {side.location} ({side.source}): "
+            f"{not side.at_point} there, {side.at_point} at the given point; the inputs "
+            f"moved by {side.moved:.3g} of their norm:\n{failure}",
+        )
+    return failure
 
 
 @contextlib.contextmanager
@@ -239,31 +275,16 @@ _OPTIONS = ("params", "gradgrad", "fast", "eps", "atol", "rtol", "avoid_boundari
 BRANCH_CHOICES = ("point", "all")
 
 
-class _OnTheOtherSide(Exception):
-    """A failure found on the other side of a branch; ``gradcheck`` narrows it down there."""
-
-    def __init__(self, failure: GradcheckFailure, side: BranchSide) -> None:
-        super().__init__(str(failure))
-        self.failure, self.side = failure, side
-
-    def reported(self, failure: GradcheckFailure) -> GradcheckFailure:
-        side = self.side
-        failure.args = (
-            f"on the other side of the branch at {side.location} ({side.source}): "
-            f"{not side.at_point} there, {side.at_point} at the given point; the inputs "
-            f"moved by {side.moved:.3g} of their norm:\n{failure}",
-        )
-        return failure
-
-
 def _check_other_sides(
     problem: Problem, check: Check, orders: tuple[int, ...]
-) -> tuple[BranchSide, ...]:
-    """Check the gradients on the other side of each branch decision the point reaches."""
+) -> tuple[tuple[BranchSide, ...], list[_Finding]]:
+    """Check the gradients on the other side of each branch decision the point reaches:
+    the sides, and the failure found on each side that failed."""
     __tracebackhide__ = True
     at_point = [checked.value for checked in problem.checked]
     movable = sorted({slot for _, slot in problem._input_slots})
     sides = other_sides(problem.evaluate, at_point, movable, eps=check.eps)
+    found = []
     for side in sides:
         if not side.found:
             continue
@@ -273,11 +294,11 @@ def _check_other_sides(
             for order in orders:
                 check.run(order)
         except GradcheckFailure as failure:
-            raise _OnTheOtherSide(failure, side) from None
+            found.append(_Finding(failure, side))
         finally:
             for checked, value in zip(problem.checked, at_point, strict=True):
                 checked.value = value
-    return tuple(sides)
+    return tuple(sides), found
 
 
 def _validate_options(function, params, gradgrad, fast, eps, atol, rtol, avoid_boundaries) -> None:
