@@ -38,6 +38,11 @@ safe, and the start-up and step times.
 
 :func:`.parameter_use.find_unused_parameters_needed` (also importable from here) is
 the analysis in one process, for a training command that sets up DDP.
+
+Here are the entry point and its options; :mod:`.results` holds what the check raises
+and returns, :mod:`.messages` what passes between the test's process and the others,
+:mod:`.launch` and :mod:`.process_tree` start and end those processes,
+:mod:`.worker` is their side and :mod:`.checker` the analysis in the test's process.
 """
 
 from __future__ import annotations

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import faulthandler
 import gc
 import importlib
 import os
 import pickle
-import signal
 import sys
 import time
 import traceback
@@ -39,6 +37,7 @@ from ..parameter_use import (
     explain_unreached,
     reached_parameters,
 )
+from ..processes import dump_stack_on_request
 from ..subject import FunctionModule, Subject
 from ..trees import map_tensors, named_leaves
 from .messages import (
@@ -127,7 +126,7 @@ def child_main(
     job = payload if isinstance(payload, Job) else pickle.loads(payload)
     files = Files(Path(folder), role)
     stack_file = open(files.stack, "w")  # noqa: SIM115 (faulthandler writes to it until the end)
-    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
+    dump_stack_on_request(stack_file)
     _Worker(job, role, pipes, files.error).serve(str(files.store))
 
 
