@@ -437,11 +437,12 @@ EXPECTED_FAILURES = {
         "E*ValueError: ddp_check: backend='nccl' is not usable here: *",
     ],
     "test_one_step": [
-        "E*ValueError: ddp_check: steps must be a whole number >= 2 (DDP reports a reduction left "
-        "unfinished at the next step), got 1",
+        "E*ValueError: ddp_check: steps=1 is not allowed: expected an int >= 2 (DDP reports a "
+        "reduction left unfinished at the next step)",
     ],
     "test_a_temp_root_that_is_no_folder": [
-        "E*ValueError: ddp_check: temp_root must be an existing folder, got 'no/such/folder'",
+        "E*ValueError: ddp_check: temp_root='no/such/folder' is not allowed: expected None or an "
+        "existing folder",
     ],
     "test_spawned_ranks_of_a_lambda": [
         "E*TypeError: ddp_check: start_method='spawn': the model, inputs, loss_fn and optimizer "

@@ -96,9 +96,13 @@ def dump_stack_on_request(file: IO[str]) -> None:
         faulthandler.register(signal.SIGUSR1, file=file, all_threads=True)
 
 
-def stack_locations(dump: Path) -> list[Location]:
+def stack_locations(dump: Path, *, stop_at: str | None = None) -> list[Location]:
     """The user's lines in a faulthandler dump, innermost first, of the first thread that
-    was in user code, down to the first frame of the plugin (what called the model)."""
+    was in user code, down to the first frame of the plugin (what called the model).
+
+    A frame of the file ``stop_at`` ends them even before a user line: the file where the
+    process's own life starts (a forked process's outer frames are its parent's).
+    """
     try:
         text = dump.read_text(errors="replace")
     except OSError:
@@ -114,8 +118,9 @@ def stack_locations(dump: Path) -> list[Location]:
             continue
         path, _, rest = line[len('File "') :].partition('", line ')
         number = rest.split(" ", 1)[0]
-        if os.path.abspath(path).startswith(_HERE):
-            if locations:
+        path_here = os.path.abspath(path)
+        if path_here.startswith(_HERE):
+            if locations or path_here == stop_at:
                 break
             continue
         if number.isdigit() and not path.startswith((TORCH_DIR, _STANDARD_LIBRARY)):

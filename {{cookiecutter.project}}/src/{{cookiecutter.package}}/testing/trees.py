@@ -19,10 +19,12 @@ from torch.utils import _pytree as pytree
 
 __all__ = [
     "FlatArguments",
+    "StructuresDiffer",
     "flatten_arguments",
     "leaves",
     "map_leaves",
     "map_tensors",
+    "merge_leaves",
     "named_leaves",
 ]
 
@@ -89,6 +91,22 @@ def map_leaves(function: Callable[[Any], Any], value: Any) -> Any:
 def leaves(value: Any) -> list[Any]:
     """Every leaf of ``value`` as pytree flattens it (an unregistered dataclass is one leaf)."""
     return pytree.tree_leaves(value)
+
+
+class StructuresDiffer(ValueError):
+    """The values :func:`merge_leaves` was given are not nested alike."""
+
+
+def merge_leaves(values: Sequence[Any], merge: Callable[[int, tuple[Any, ...]], Any]) -> Any:
+    """One value of the structure all ``values`` share, its leaf at each position
+    ``merge(position, the values' leaves there)``; :class:`StructuresDiffer` when they
+    are not nested alike."""
+    flat = [pytree.tree_flatten(value) for value in values]
+    spec = flat[0][1]
+    if any(other != spec for _, other in flat):
+        raise StructuresDiffer("the values are not nested alike")
+    columns = zip(*(leaves for leaves, _ in flat), strict=True)
+    return pytree.tree_unflatten([merge(i, column) for i, column in enumerate(columns)], spec)
 
 
 @dataclasses.dataclass(frozen=True)
