@@ -129,17 +129,17 @@ def _validate(backend, mode, dynamic, max_graph_breaks, max_recompiles, rtol, at
 _SIDES = ("eager", "compiled")
 
 
-def _compare(
+def _mismatch(
     eager: Run, compiled: Run, rtol: float | None, atol: float | None, input_set: int
-) -> None:
-    __tracebackhide__ = True
+) -> CompileMismatch | None:
+    """The compiled run's first result that differs from eager's, the others listed."""
 
     def close(a: Any, b: Any) -> bool:
         return close_mismatch("", a, b, rtol, atol, _SIDES) is None
 
     found = differing(eager.values, compiled.values, close)
     if not found:
-        return
+        return None
     key, others = found[0], [str(other) for other in found[1:]]
     if key in eager.values and key in compiled.values:
         mismatch = close_mismatch(
@@ -161,7 +161,7 @@ def _compare(
             f"  also differ: {', '.join(others[:_LISTED])}"
             + (f" and {more} more" if more > 0 else "")
         )
-    raise CompileMismatch(
+    return CompileMismatch(
         "\n".join(lines),
         name=str(key),
         index=index,
@@ -236,7 +236,9 @@ def compile_check(
     run did not (an error of the eager run is the model's own and comes out as it
     is); :class:`TooManyGraphBreaks`/:class:`TooManyRecompiles` listing every break
     or recompilation when there are more than ``max_graph_breaks`` or
-    ``max_recompiles``. Returns a :class:`CompileCheckResult`.
+    ``max_recompiles``. A mismatch stops the runs; it is raised first, the budgets
+    exceeded by the runs until then listed in its message after ``also:``
+    (:func:`..failures.most_fundamental`). Returns a :class:`CompileCheckResult`.
     """
     __tracebackhide__ = True
     reject_unknown_keywords("compile_check", unknown, _OPTIONS)
@@ -249,6 +251,7 @@ def compile_check(
     started = time.perf_counter()
     decisions: list[control_flow.Decision] = []
     compared: set[str] = set()
+    mismatch = None
     with (
         torch_logs.quiet(),
         _fresh_compiler(backend, strict_breaks=max_graph_breaks == 0),
@@ -289,26 +292,29 @@ def compile_check(
                     ) from None
             finally:
                 subject.reset()
-            _compare(eager, compiled, rtol, atol, number)
+            mismatch = _mismatch(eager, compiled, rtol, atol, number)
             compared.update(str(key) for key in eager.values)
             del eager, compiled
+            if mismatch is not None:  # the budgets count what ran until then
+                break
         breaks = tuple(graph_breaks(records.records, decisions))
         recompilations = tuple(recompiles(decisions))
-    # Graph breaks before recompilations: a break splits the code into frames compiled
-    # and guarded each on its own, so breaks change where recompilations happen, not the
-    # other way round.
-    over_budget = most_fundamental(
+    # A wrong result first; then graph breaks before recompilations: a break splits the
+    # code into frames compiled and guarded each on its own, so breaks change where
+    # recompilations happen, not the other way round.
+    failure = most_fundamental(
         [
-            failure
-            for failure in (
+            found
+            for found in (
+                mismatch,
                 _over_budget(breaks, max_graph_breaks, "max_graph_breaks", TooManyGraphBreaks),
                 _over_budget(recompilations, max_recompiles, "max_recompiles", TooManyRecompiles),
             )
-            if failure is not None
+            if found is not None
         ]
     )
-    if over_budget is not None:
-        raise over_budget
+    if failure is not None:
+        raise failure
     return CompileCheckResult(
         function=describe_callable(model_or_fn),
         backend=backend_name,
