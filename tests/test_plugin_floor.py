@@ -2,7 +2,8 @@
 
 - The generated project's ``tests/test_architecture.py`` passes as generated, and fails
   when a check imports another check or the plugin imports torch, when ARCHITECTURE.md
-  misses a module (a package's module too) or an import from ``testing/`` outside it.
+  misses a module (a package's module too) or an import from ``testing/`` outside it,
+  and when two classes of the package share a name.
 - What the floor raises names the check that runs it: the same model fault under
   ``compile_check``, ``export_check`` and ``autograd_determinism`` gets each check's own
   failure class and name, and no private class escapes.
@@ -60,7 +61,7 @@ def test_architecture_test_passes_as_generated(default_project: Path):
     checks = ("compile_check", "ddp_check", "decisions", "determinism", "export_check")
     for check in (*checks, "gradcheck", "training_check"):
         assert f"test_a_check_imports_no_other_check[{check}] PASSED" in run.stdout
-    assert "11 passed" in run.stdout.splitlines()[-1]
+    assert "12 passed" in run.stdout.splitlines()[-1]
 
 
 @pytest.mark.parametrize(
@@ -68,7 +69,7 @@ def test_architecture_test_passes_as_generated(default_project: Path):
     [
         (
             "compile_check",
-            "from . import gradcheck  # noqa: E402, F401\n",
+            "from .. import gradcheck  # noqa: E402, F401\n",  # compile_check/__init__.py
             "importing dynamic_model.testing.compile_check imports the check module(s) gradcheck",
         ),
         (
@@ -136,10 +137,22 @@ def without_line(text: str, line_start: str) -> str:
             ),
             "not listed: [('train.py', 'testing.gradcheck')], listed but not imported: []",
         ),
+        (
+            lambda project, testing: (testing / "export_check.py").write_text(
+                (testing / "export_check.py").read_text() + "\n\nclass _Stopped:\n    pass\n"
+            ),
+            "classes that share a name: testing/export_check.py:",
+        ),
     ],
-    ids=["check-unnamed", "package-module-unnamed", "new-module-unnamed", "import-unlisted"],
+    ids=[
+        "check-unnamed",
+        "package-module-unnamed",
+        "new-module-unnamed",
+        "import-unlisted",
+        "class-name-shared",
+    ],
 )
-def test_architecture_test_fails_when_architecture_md_misses_a_module(
+def test_architecture_test_fails_on_an_omission_or_a_shared_name(
     default_project: Path, tmp_path: Path, plant, expected: str
 ):
     project = Path(shutil.copytree(default_project, tmp_path / "project"))

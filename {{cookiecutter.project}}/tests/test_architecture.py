@@ -168,3 +168,18 @@ def test_the_plugin_loads_without_torch():
         f"importing {PACKAGE}.plugin imports torch: pytest loads the plugin in every run, so a "
         "check module must be imported inside the fixture that uses it"
     )
+
+
+def test_no_two_classes_share_a_name():
+    """One name per concept: ``Stopped`` in train.py and ``_Stopped`` in a check would be two
+    things a reader takes for one (a leading underscore does not make another name)."""
+    defined: dict[str, list[str]] = {}
+    for path in sorted(SOURCE.rglob("*.py")):
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(node, ast.ClassDef):
+                where = f"{path.relative_to(SOURCE)}:{node.lineno} {node.name}"
+                defined.setdefault(node.name.lstrip("_"), []).append(where)
+    shared = {name: places for name, places in defined.items() if len(places) > 1}
+    assert not shared, "classes that share a name: " + "; ".join(
+        ", ".join(places) for places in shared.values()
+    )

@@ -172,7 +172,7 @@ def gradcheck(
                 raise
             raise explained from None
         failure = most_fundamental(
-            [_reported(problem, check, finding, i == 0) for i, finding in enumerate(found)]
+            [_reported(problem, check, each, i == 0) for i, each in enumerate(found)]
         )
         if failure is not None:
             raise failure
@@ -194,7 +194,7 @@ def gradcheck(
 
 
 @dataclass(frozen=True)
-class _Finding:
+class _FailureAt:
     """A failure at the point (``side`` None) or on the other side of a branch."""
 
     failure: GradcheckFailure
@@ -207,7 +207,7 @@ def _run(
     orders: tuple[int, ...],
     avoid_boundaries: bool,
     branches: str,
-) -> tuple[int, tuple[BranchSide, ...], list[_Finding]]:
+) -> tuple[int, tuple[BranchSide, ...], list[_FailureAt]]:
     """Check each order at the point (moved off boundaries on request), then the other
     sides of its branches, even when the point failed: how often the point moved, the
     sides, and what failed, the point first."""
@@ -222,17 +222,17 @@ def _run(
                 break
             except (BranchBoundary, NonDifferentiablePoint) as failure:
                 if not avoid_boundaries:
-                    found.append(_Finding(failure))
+                    found.append(_FailureAt(failure))
                     break
                 if moved == JITTER_ATTEMPTS:
                     note = f"(still so after moving the point {moved} times: avoid_boundaries=True)"
                     failure.args = (f"{failure}\n{note}",)
-                    found.append(_Finding(failure))
+                    found.append(_FailureAt(failure))
                     break
                 moved += 1
                 problem.jitter(moved)
             except GradcheckFailure as failure:
-                found.append(_Finding(failure))
+                found.append(_FailureAt(failure))
                 break
         sides = ()
         if branches == "all":
@@ -242,12 +242,12 @@ def _run(
 
 
 def _reported(
-    problem: Problem, check: Check, finding: _Finding, localize: bool
+    problem: Problem, check: Check, found: _FailureAt, localize: bool
 ) -> GradcheckFailure:
-    """``finding``'s failure as reported: a first-order wrong gradient narrowed down to
-    where it enters when ``localize`` (the first finding: each costs a diagnosis), one
+    """``found``'s failure as reported: a first-order wrong gradient narrowed down to
+    where it enters when ``localize`` (the first found: each costs a diagnosis), one
     on the other side of a branch saying which side."""
-    failure, side = finding.failure, finding.side
+    failure, side = found.failure, found.side
     if localize and isinstance(failure, WrongGradient) and failure.order == 1:
         failure = localized(problem, check, failure, None if side is None else side.values)
     if side is not None:
@@ -277,7 +277,7 @@ BRANCH_CHOICES = ("point", "all")
 
 def _check_other_sides(
     problem: Problem, check: Check, orders: tuple[int, ...]
-) -> tuple[tuple[BranchSide, ...], list[_Finding]]:
+) -> tuple[tuple[BranchSide, ...], list[_FailureAt]]:
     """Check the gradients on the other side of each branch decision the point reaches:
     the sides, and the failure found on each side that failed."""
     __tracebackhide__ = True
@@ -294,7 +294,7 @@ def _check_other_sides(
             for order in orders:
                 check.run(order)
         except GradcheckFailure as failure:
-            found.append(_Finding(failure, side))
+            found.append(_FailureAt(failure, side))
         finally:
             for checked, value in zip(problem.checked, at_point, strict=True):
                 checked.value = value
