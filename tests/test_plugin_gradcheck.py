@@ -215,7 +215,8 @@ EXPECTED_FAILURES = {
         "E*d output[*] / d input x[*]: numerical *, analytical *",
         "E*12 of 12 elements of input x are wrong; in all of them the analytical gradient"
         " is 1.05 times the numerical one",
-        "E*checked Linear in float64 (eps=1e-06, atol=1e-05, rtol=0.001), slow mode (*",
+        "E*checked Linear (float64, eps=1e-06, atol=* from the rounding of outputs up to *, "
+        "rtol=0.0001), slow mode (*",
     ],
     "test_backward_missing_a_term": [
         "E**WrongGradient: wrong first-order gradient of SquareMissingTerm.apply: the error "
@@ -252,7 +253,7 @@ EXPECTED_FAILURES = {
         "E*d output[*] / d parameter l2.weight[100, 7]: numerical *, analytical 0.5 *",
         "E*narrowed down in * s by checking parts on their own (1 autograd Function call); the "
         "diagnosis made * evaluations, *x the * of the check",
-        "E*checked Wide in float64 *, fast mode (85,258 elements > FAST_MODE_ABOVE=2,048*"
+        "E*checked Wide (float64, *), fast mode (85,258 elements > FAST_MODE_ABOVE=2,048*"
         "; the failing tensor was then rechecked element by element",
     ],
     "test_branch_boundary": [
@@ -275,7 +276,7 @@ EXPECTED_FAILURES = {
         "E*BranchBoundary: cannot check the gradient of DynamicNet here: the point is within "
         "eps of a branch boundary at decision #1 (*models.py:*): moving parameter encoder.* by "
         "*eps *",
-        "E*checked DynamicNet in float64 *, fast mode (fast=True: *; the failing tensor was then"
+        "E*checked DynamicNet (float64, *), fast mode (fast=True: *; the failing tensor was then"
         " rechecked element by element",
     ],
     "test_python_number_in_the_forward": [
@@ -317,11 +318,16 @@ def test_correct_models_pass_and_report_their_mode(plugin_pytester):
         [
             "gradcheck DynamicNet: first and second order passed in * s, slow mode (* elements"
             " <= FAST_MODE_ABOVE=2,048: every element), 7 tensor(s) (input x, parameter "
-            "encoder.weight, *",
+            "encoder.weight, *; sensitivity: a relative error of 0.01% caught in 5 of 7 tensors; "
+            "gradient 0 at the point in parameter block.0.weight, parameter block.0.bias: an "
+            "error above atol caught there (float64, eps=1e-06, atol=* from the rounding of "
+            "outputs up to *, rtol=0.0001)",
             "gradcheck Wide: first and second order passed in * s, fast mode (85,258 elements > "
             "FAST_MODE_ABOVE=2,048: one random direction per tensor, screened for single wrong "
-            "elements; fast=False checks every element), 6 tensor(s) *",
-            "gradcheck MeanGatedNet: first order passed in *, at a point moved * off a boundary",
+            "elements; fast=False checks every element), 6 tensor(s) *; sensitivity: a relative "
+            "error of 0.0*% caught in every tensor (float64, *)",
+            "gradcheck MeanGatedNet: first order passed in *, at a point moved * off a boundary; "
+            "sensitivity: *",
         ],
         consecutive=False,
     )

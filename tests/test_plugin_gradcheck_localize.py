@@ -190,7 +190,7 @@ EXPECTED_PLANTED = {
         "E*WrongGradient: wrong first-order gradient of Encoder: the error enters in the custom "
         "autograd Function SloppyTanhLinear (*), applied at * in blocks.1.projection (Projection)",
         "E*it reaches *",
-        "E*checked Encoder in float64 *, fast mode *",
+        "E*checked Encoder (float64, *), fast mode *",
     ],
     "test_one_expert_of_a_mixture": [
         "E*WrongGradient: wrong first-order gradient of TopOneMixture: the error enters in the "

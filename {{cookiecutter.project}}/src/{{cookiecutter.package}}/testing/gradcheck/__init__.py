@@ -72,10 +72,12 @@ from .results import (
     NonDifferentiablePoint,
     OutputJump,
     RefusedProbe,
+    Sensitivity,
     SourceKind,
     WrongGradient,
 )
 from .screen import Check
+from .tolerances import Requested
 
 # Above this many checked elements (inputs and parameters together) fast=None picks
 # fast mode: slow mode would cost two forward passes per element.
@@ -106,8 +108,8 @@ def gradcheck(
     gradgrad: bool = False,
     fast: bool | None = None,
     eps: float = 1e-6,
-    atol: float = 1e-5,
-    rtol: float = 1e-3,
+    atol: float | None = None,
+    rtol: float | None = None,
     avoid_boundaries: bool = False,
     branches: str = "point",
     **unknown: Any,
@@ -159,11 +161,13 @@ def gradcheck(
     else:
         use_fast, reason = fast, f"fast={fast}"
     orders = (1, 2) if gradgrad else (1,)
-    check = Check(problem, fast=use_fast, reason=reason, eps=eps, atol=atol, rtol=rtol)
+    check = Check(problem, fast=use_fast, reason=reason, requested=Requested(eps, atol, rtol))
     with _rngs_kept(problem.generators) as states:
         problem.start_from(states)
         try:
-            moved, sides, found = _run(problem, check, orders, avoid_boundaries, branches)
+            moved, sides, found, sensitivity = _run(
+                problem, check, orders, avoid_boundaries, branches
+            )
         except (GradcheckFailure, CannotStayFloat64):
             raise
         except Exception as error:
@@ -187,7 +191,8 @@ def gradcheck(
         widened=tuple(str(w) for w in problem.widened.values()),
         branches=sides,
         narrowed=tuple(str(n) for n in problem.narrowed.values()),
-        tolerances=(check.eps, check.atol, check.rtol),
+        tolerances=_tolerances(check, sensitivity),
+        sensitivity=sensitivity,
         refused=tuple(check.refused),
         held_buffers=problem.held_buffers,
     )
@@ -207,10 +212,10 @@ def _run(
     orders: tuple[int, ...],
     avoid_boundaries: bool,
     branches: str,
-) -> tuple[int, tuple[BranchSide, ...], list[_FailureAt]]:
+) -> tuple[int, tuple[BranchSide, ...], list[_FailureAt], Sensitivity | None]:
     """Check each order at the point (moved off boundaries on request), then the other
     sides of its branches, even when the point failed: how often the point moved, the
-    sides, and what failed, the point first."""
+    sides, what failed (the point first) and the point's first-order sensitivity."""
     __tracebackhide__ = True
     moved = 0
     found = []
@@ -234,11 +239,18 @@ def _run(
             except GradcheckFailure as failure:
                 found.append(_FailureAt(failure))
                 break
+        sensitivity = check.sensitivity
         sides = ()
         if branches == "all":
             sides, on_other_sides = _check_other_sides(problem, check, orders)
             found += on_other_sides
-    return moved, sides, found
+    return moved, sides, found, sensitivity
+
+
+def _tolerances(check: Check, sensitivity: Sensitivity | None) -> tuple[float, float, float]:
+    """``(eps, atol, rtol)`` of the first order at the point (of the last run without one)."""
+    tolerances = check.tolerances if sensitivity is None else sensitivity.tolerances
+    return tolerances.eps, tolerances.atol, tolerances.rtol
 
 
 def _reported(
@@ -311,8 +323,10 @@ def _validate_options(function, params, gradgrad, fast, eps, atol, rtol, avoid_b
         expected = "True, False or a list of parameter names"
         raise options.refuse("gradcheck", "params", params, expected, TypeError)
     options.number("gradcheck", "eps", eps)
-    options.number("gradcheck", "atol", atol, zero=True)
-    options.number("gradcheck", "rtol", rtol, zero=True)
+    if atol is not None:
+        options.number("gradcheck", "atol", atol, zero=True)
+    if rtol is not None:
+        options.number("gradcheck", "rtol", rtol, zero=True)
 
 
 def _is_name_list(value: Any) -> bool:

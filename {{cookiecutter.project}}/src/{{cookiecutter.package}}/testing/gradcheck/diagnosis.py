@@ -31,9 +31,12 @@ from .results import (
     GradcheckFailure,
     NonDifferentiablePoint,
     OutputJump,
+    Tolerances,
     WrongGradient,
     mode_text,
+    percent,
 )
+from .tolerances import beyond_own_error, times_allowed
 from .weights import EVALUATION_SEED, random_direction, random_weights
 
 __all__ = ["ELEMENTWISE_LIMIT", "OUTPUT_ELEMENTS_LIMIT", "Diagnosis", "Settings"]
@@ -45,18 +48,22 @@ ELEMENTWISE_LIMIT = 1024
 # elements (one backward pass each); above, one random weighting of the outputs.
 OUTPUT_ELEMENTS_LIMIT = 1024
 _BISECTION_BLOCK = 16
+# One-sided differences that disagree by a gap which halves with the step are a smooth
+# function's curvature (the gap is the step times the second derivative); at a kink it
+# stays. Within this fraction of halving, it is curvature.
+_CURVATURE_SPREAD = 0.1
 _ANALYTICAL_ENTRIES_LIMIT = 1 << 23
 
 
 @dataclass(frozen=True)
 class Settings:
-    """What a diagnosis takes from the check that failed: its step and tolerances, its
-    mode (and the reason its report gives for it), whether it checks a part of the model
-    on its own, and the evaluation count (``Problem.evaluations``) at which it stops."""
+    """What a diagnosis takes from the check that failed: its step and tolerances (and
+    whether they come from the arithmetic: then an element is wrong only beyond its own
+    finite differences' error, see :mod:`.tolerances`), its mode (and the reason its
+    report gives for it), whether it checks a part of the model on its own, and the
+    evaluation count (``Problem.evaluations``) at which it stops."""
 
-    eps: float
-    atol: float
-    rtol: float
+    tolerances: Tolerances
     fast: bool
     reason: str
     part: bool
@@ -107,6 +114,12 @@ def _moved_numbers(a: DecisionLog, b: DecisionLog) -> list[tuple[Decision, Decis
     ]
 
 
+def _relative_text(numerical: float, analytical: float) -> str:
+    if numerical == 0.0:
+        return "the derivative is 0"
+    return f"a relative error of {percent(abs(analytical - numerical) / abs(numerical))}"
+
+
 class _FindingKind(enum.Enum):
     """What the finite differences of one element show."""
 
@@ -150,7 +163,9 @@ class Diagnosis:
         # Fast mode's screen names the tensors whose directional derivatives disagree:
         # only those are searched (each by bisection), and only those can be "also wrong".
         self.suspects = list(suspects)
-        self.eps, self.atol, self.rtol = settings.eps, settings.atol, settings.rtol
+        tolerances = settings.tolerances
+        self.eps, self.atol, self.rtol = tolerances.eps, tolerances.atol, tolerances.rtol
+        self.from_arithmetic = not tolerances.atol_given
         self.generator = torch.Generator().manual_seed(EVALUATION_SEED + 1)
         self.budget = settings.budget
         self.searched: set[int] = set()  # tensors whose every element was examined
@@ -235,7 +250,9 @@ class Diagnosis:
             outputs = self._target(values, graph=False)
         return self._flat(outputs).detach(), log
 
-    def failure(self) -> GradcheckFailure:
+    def failure(self) -> GradcheckFailure | None:
+        """The failure, or ``None`` where the tolerances come from the arithmetic and every
+        element agrees once its finite differences' own error is allowed."""
         if not any(self.included):
             return GradcheckFailure(self._detached())
         hint = _MISMATCH.search(self.torch_message)
@@ -259,6 +276,8 @@ class Diagnosis:
             return self._boundary(boundaries, explained)
         if explained:
             return self._kink(explained)
+        if self.from_arithmetic and self.searched.issuperset(order):
+            return None  # every element agrees within its finite differences' own error
         return GradcheckFailure(self._unexplained())
 
     def _also_wrong(self, indices: list[int]) -> list[str]:
@@ -352,7 +371,7 @@ class Diagnosis:
             allowed = self.atol + self.rtol * numerical.abs()
         else:
             allowed = self.atol + self.rtol * (self.rows.abs() @ difference.abs()) / (2 * self.eps)
-        ratio = (analytical - numerical).abs() / allowed
+        ratio = times_allowed((analytical - numerical).abs(), allowed)
         row = int(ratio.argmax()) if ratio.numel() else 0
         if not ratio.numel() or float(ratio[row]) <= 1.0:
             return None
@@ -372,15 +391,18 @@ class Diagnosis:
                 finding.kind, finding.divergence = _FindingKind.BOUNDARY, divergence
                 finding.side, finding.moved_log = side, log
                 return finding
+        half_plus, _ = self._evaluate(index, step / 2)
+        half_minus, _ = self._evaluate(index, -step / 2)
         right = self._project(plus - self.base) / self.eps
         left = self._project(self.base - minus) / self.eps
-        gap = (right - left).abs() > self.atol + self.rtol * torch.maximum(right.abs(), left.abs())
-        if bool(gap.any()):
-            kink_row = int(((right - left).abs() * gap).argmax())
+        gap = (right - left).abs()
+        half_gap = (self._project(half_plus + half_minus - 2 * self.base) / (self.eps / 2)).abs()
+        curvature = (2 * half_gap - gap).abs() <= _CURVATURE_SPREAD * gap
+        kink = (gap > self.atol + self.rtol * torch.maximum(right.abs(), left.abs())) & ~curvature
+        if bool(kink.any()):
+            kink_row = int((gap * kink).argmax())
             finding.kind, finding.row = _FindingKind.KINK, kink_row
             # A kink's one-sided changes halve with the step; a jump's stay as they are.
-            half_plus, _ = self._evaluate(index, step / 2)
-            half_minus, _ = self._evaluate(index, -step / 2)
             for full, half in (
                 (plus - self.base, half_plus - self.base),
                 (self.base - minus, self.base - half_minus),
@@ -396,6 +418,18 @@ class Diagnosis:
             finding.numerical = float(numerical[kink_row])
             finding.analytical = float(analytical[kink_row])
             return finding
+        if self.from_arithmetic:
+            half = self._project(half_plus - half_minus) / self.eps
+            beyond, resolved = beyond_own_error(
+                analytical, numerical, half, self.settings.tolerances
+            )
+            if float(beyond.max()) <= 1.0:
+                return None  # within the finite differences' own error
+            finding.row = int(beyond.argmax())
+            finding.numerical = float(numerical[finding.row])
+            finding.analytical = float(analytical[finding.row])
+            finding.allowed = float(resolved[finding.row])
+            finding.severity = float(beyond[finding.row])
         finding.moved = _moved_numbers(self.base_log, plus_log)
         return finding
 
@@ -456,10 +490,7 @@ class Diagnosis:
         mode = mode_text(c.fast, c.reason)
         if c.fast:
             mode += "; the failing tensor was then rechecked element by element"
-        lines.append(
-            f"checked {self.problem.description} in float64 (eps={c.eps:g}, "
-            f"atol={c.atol:g}, rtol={c.rtol:g}), {mode}"
-        )
+        lines.append(f"checked {self.problem.description} ({c.tolerances}), {mode}")
         return "\n".join(lines)
 
     def _wrong(
@@ -473,7 +504,9 @@ class Diagnosis:
             f"{checked.element(worst.element)}",
             f"  d {self._output_element(worst.row)} / d {checked.element(worst.element)}: "
             f"numerical {worst.numerical:.6g}, analytical {worst.analytical:.6g} (difference "
-            f"{abs(worst.numerical - worst.analytical):.3g}, allowed {worst.allowed:.3g})",
+            f"{abs(worst.numerical - worst.analytical):.3g}, allowed {worst.allowed:.3g}: "
+            f"{_relative_text(worst.numerical, worst.analytical)}, {worst.severity:.3g} times "
+            f"what the check resolves there)",
         ]
         if index in self.searched:
             lines.append(
@@ -513,6 +546,7 @@ class Diagnosis:
             order=self.order,
             numerical=worst.numerical,
             analytical=worst.analytical,
+            allowed=worst.allowed,
         )
         failure.output = self._output_element(worst.row)
         return failure

@@ -168,15 +168,10 @@ class _Localization:
         return None
 
     def _check(self, problem: Problem, *, fast: bool, reason: str, part: bool = False) -> None:
-        """First order of ``problem`` with the failing check's step and tolerances."""
-        check = Check(
-            problem,
-            fast=fast,
-            reason=reason,
-            eps=self.check.eps,
-            atol=self.check.atol,
-            rtol=self.check.rtol,
-        )
+        """First order of ``problem`` with the failing check's step and given tolerances."""
+        # The failing check's step and given tolerances; the others from the part's own
+        # outputs, in the arithmetic the part runs in.
+        check = Check(problem, fast=fast, reason=reason, requested=self.check.requested)
         check.part = part
         check.run(1)
 

@@ -23,6 +23,9 @@ __all__ = [
     "OutputJump",
     "RefusedProbe",
     "SourceKind",
+    "Sensitivity",
+    "TensorSensitivity",
+    "Tolerances",
     "WrongGradient",
     "mode_text",
 ]
@@ -78,7 +81,9 @@ class WrongGradient(GradcheckFailure):
     """Autograd's gradient differs from the finite differences at ``tensor[index]``.
 
     ``source`` says where the error enters when the check narrowed it down to a
-    custom autograd Function, a submodule or a gradient hook (``None`` otherwise).
+    custom autograd Function, a submodule or a gradient hook (``None`` otherwise);
+    ``allowed`` is the difference the check allowed there, and :attr:`beyond` how many
+    times it is exceeded.
     """
 
     def __init__(
@@ -90,13 +95,26 @@ class WrongGradient(GradcheckFailure):
         order: int,
         numerical: float,
         analytical: float,
+        allowed: float = 0.0,
         source: ErrorSource | None = None,
     ) -> None:
         super().__init__(message)
         self.tensor, self.index, self.order = tensor, index, order
-        self.numerical, self.analytical = numerical, analytical
+        self.numerical, self.analytical, self.allowed = numerical, analytical, allowed
         self.source = source
         self.output = "output"  # the output element it was compared on
+
+    @property
+    def relative_error(self) -> float:
+        """``|analytical - numerical| / |numerical|`` (``inf`` where the derivative is 0)."""
+        difference = abs(self.analytical - self.numerical)
+        return difference / abs(self.numerical) if self.numerical else float("inf")
+
+    @property
+    def beyond(self) -> float:
+        """How many times the difference exceeds what the check allowed there."""
+        difference = abs(self.analytical - self.numerical)
+        return difference / self.allowed if self.allowed else float("inf")
 
 
 class RefusedProbe(GradcheckFailure):
@@ -146,6 +164,100 @@ class OutputJump(NonDifferentiablePoint):
 
 
 @dataclass(frozen=True)
+class Tolerances:
+    """The step and tolerances a check ran with, and where ``atol`` and ``rtol`` came from:
+    given by the user, or from the arithmetic (``atol`` the rounding error of finite
+    differences of outputs up to ``output_scale`` in ``dtype``, see :mod:`.tolerances`)."""
+
+    eps: float
+    atol: float
+    rtol: float
+    dtype: str = "float64"
+    atol_given: bool = True
+    rtol_given: bool = True
+    output_scale: float = 0.0
+
+    def caught(self, gradient_scale: float) -> float:
+        """The smallest relative error caught in a gradient whose largest element is this."""
+        if gradient_scale <= 0.0:
+            return float("inf")
+        return self.rtol + self.atol / gradient_scale
+
+    def __str__(self) -> str:
+        if self.atol_given:
+            atol = f"atol={self.atol:.2g}"
+        else:
+            atol = (
+                f"atol={self.atol:.2g} from the rounding of outputs up to "
+                f"{self.output_scale:.2g}"
+            )
+        rtol = f"rtol={self.rtol:g}"
+        return f"{self.dtype}, eps={self.eps:g}, {atol}, {rtol}"
+
+
+@dataclass(frozen=True)
+class TensorSensitivity:
+    """The smallest relative error of ``tensor``'s gradient the check catches (``relative``,
+    ``inf`` where the gradient is 0), for its largest gradient element ``gradient_scale``."""
+
+    tensor: str
+    gradient_scale: float
+    relative: float
+
+
+# Tensors whose sensitivity is within this factor of the best are summarised together
+# (by the worst of them); the others are named, with their gradient's size.
+_SENSITIVITY_SPREAD = 10.0
+
+
+@dataclass(frozen=True)
+class Sensitivity:
+    """What a check could have missed: per checked tensor, the smallest relative error of
+    its gradient it catches, with the tolerances that leave it."""
+
+    tolerances: Tolerances
+    tensors: tuple[TensorSensitivity, ...] = ()
+
+    @property
+    def worst(self) -> TensorSensitivity | None:
+        """The tensor with the largest error the check could miss."""
+        return max(self.tensors, key=lambda t: t.relative, default=None)
+
+    def __str__(self) -> str:
+        tensors = [t for t in self.tensors if t.relative != float("inf")]
+        zero = [t.tensor for t in self.tensors if t.relative == float("inf")]
+        parts = []
+        if tensors:
+            best = min(t.relative for t in tensors)
+            close = [t for t in tensors if t.relative <= _SENSITIVITY_SPREAD * best]
+            far = sorted((t for t in tensors if t not in close), key=lambda t: -t.relative)
+            where = (
+                "every tensor"
+                if len(close) == len(self.tensors)
+                else f"{len(close)} of {len(self.tensors)} tensors"
+            )
+            worst = max(t.relative for t in close)
+            parts.append(f"a relative error of {percent(worst)} caught in {where}")
+            parts += [
+                f"{percent(t.relative)} in {t.tensor} (gradient up to {t.gradient_scale:.2g})"
+                for t in far[:3]
+            ]
+            if len(far) > 3:
+                parts.append(f"{len(far) - 3} more tensors less")
+        text = ", ".join(parts)
+        if zero:
+            names = ", ".join(zero[:3]) + (f" and {len(zero) - 3} more" if len(zero) > 3 else "")
+            text += f"{'; ' if text else ''}gradient 0 at the point in {names}: an error above "
+            text += "atol caught there"
+        return f"sensitivity: {text} ({self.tolerances})"
+
+
+def percent(relative: float) -> str:
+    """A relative error as a percentage: ``0.01%``, ``1.2%``."""
+    return f"{100 * relative:.2g}%"
+
+
+@dataclass(frozen=True)
 class GradcheckResult:
     """What a passing check covered: ``str()`` of it is the line ``pytest -v`` shows."""
 
@@ -158,9 +270,11 @@ class GradcheckResult:
     seconds: float
     widened: tuple[str, ...] = ()
     branches: tuple[BranchSide, ...] = ()  # with branches="all": each decision's other side
-    # Ops without a float64 kernel, run in float32; then the step and tolerances used.
+    # Ops without a float64 kernel, run in float32.
     narrowed: tuple[str, ...] = ()
     tolerances: tuple[float, float, float] = (1e-6, 1e-5, 1e-3)  # eps, atol, rtol
+    # The smallest relative error of each tensor's gradient the first-order check catches.
+    sensitivity: Sensitivity | None = None
     # Inputs the model raised at, and the smaller step checked with instead.
     refused: tuple[str, ...] = ()
     # Buffers the forward changes: restored before each evaluation, their writes held.
@@ -177,8 +291,9 @@ class GradcheckResult:
             f"gradcheck {self.function}: {order} order passed in {self.seconds:.2f} s, "
             f"{mode_text(self.fast, self.mode_reason)}, {len(self.tensors)} tensor(s) "
             f"({', '.join(name for name, _ in self.tensors)}){moved}{_widened_text(self.widened)}"
-            f"{_narrowed_text(self.narrowed, self.tolerances)}{_refused_text(self.refused)}"
+            f"{_narrowed_text(self.narrowed)}{_refused_text(self.refused)}"
             f"{_held_text(self.held_buffers)}{_branches_text(self.branches)}"
+            f"{'; ' + str(self.sensitivity) if self.sensitivity else ''}"
         )
 
 
@@ -188,14 +303,10 @@ def _branches_text(branches: Sequence[BranchSide]) -> str:
     return "; branches: " + "; ".join(str(side) for side in branches)
 
 
-def _narrowed_text(narrowed: Sequence[str], tolerances: tuple[float, float, float]) -> str:
+def _narrowed_text(narrowed: Sequence[str]) -> str:
     if not narrowed:
         return ""
-    eps, atol, rtol = tolerances
-    return (
-        f"; computed in float32 where no float64 kernel exists: {', '.join(narrowed)}; "
-        f"checked with eps={eps:g}, atol={atol:g}, rtol={rtol:g}"
-    )
+    return f"; computed in float32 where no float64 kernel exists: {', '.join(narrowed)}"
 
 
 def _refused_text(refused: Sequence[str]) -> str:

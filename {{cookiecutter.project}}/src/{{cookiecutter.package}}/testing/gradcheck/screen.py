@@ -1,9 +1,11 @@
 """One check of a problem's gradients at its point, in fast or slow mode (:class:`Check`).
 
 Slow mode and second order run ``torch.autograd.gradcheck``/``gradgradcheck``; fast
-mode's first order screens each checked tensor along one random direction. A failure
-goes to :mod:`.diagnosis` with the check's :class:`~.diagnosis.Settings`; a refused
-finite-difference input shrinks the step, an op run in float32 takes float32's
+mode's first order screens each checked tensor along one random direction. Each run
+first measures the outputs and gradients at the point: the tolerances not given come
+from them (:mod:`.tolerances`), and so does the sensitivity the result reports. A
+failure goes to :mod:`.diagnosis` with the check's :class:`~.diagnosis.Settings`; a
+refused finite-difference input shrinks the step, an op run in float32 takes float32's
 tolerances.
 """
 
@@ -18,13 +20,14 @@ from ..calls import REENTRANT_CHECKPOINT
 from ..float64 import CannotStayFloat64
 from .diagnosis import Diagnosis, Settings
 from .problem import NoFloatingOutput, ProbeRefused, Probes, Problem
-from .results import GradcheckFailure, RefusedProbe, mode_text
+from .results import GradcheckFailure, RefusedProbe, Sensitivity, Tolerances, mode_text
+from .tolerances import Requested, beyond_own_error, output_scale, sensitivity, tolerances
 from .weights import EVALUATION_SEED, random_direction, random_weights, weighted_sum
 
 __all__ = [
     "DIAGNOSIS_FLOOR",
     "DIAGNOSIS_MULTIPLE",
-    "FLOAT32_TOLERANCES",
+    "SECOND_ORDER_TOLERANCES",
     "SCREENING_FRACTION",
     "STEP_RETRIES",
     "STEP_SHRINK",
@@ -42,31 +45,30 @@ SCREENING_FRACTION = 0.0025
 # tensors' elements and the parts checked on their own get what is left.
 DIAGNOSIS_MULTIPLE = 20
 DIAGNOSIS_FLOOR = 64
-# Where an op has no float64 kernel and runs in float32 (float64.Narrowing), the check
-# takes the step and tolerances of a float32 gradient check: with eps=1e-3 the rounding
-# of a float32 result (about 1e-7 of its size, divided by eps) and the truncation error
-# of the central difference (about eps², 1e-6) both stay near 1e-4 of the gradient, a
-# tenth of the tolerances; a wrong gradient off by 5% (or a wrong element) still fails.
-FLOAT32_TOLERANCES = (1e-3, 1e-3, 1e-2)  # eps, atol, rtol
+# Second order, where the user gives no tolerances: torch's gradgradcheck defaults
+# (atol, rtol). Its outputs are gradients weighted by torch's own random cotangents,
+# whose size the check does not see, so no rounding error is estimated for them.
+SECOND_ORDER_TOLERANCES = (1e-5, 1e-3)
 # When the model raises at a finite-difference input (a solver's assertion), the step
 # shrinks this many times by STEP_SHRINK before the point is reported as uncheckable.
 STEP_RETRIES = 2
 STEP_SHRINK = 10.0
 
-
 class Check:
     """One check of a problem's gradients at its point, in fast or slow mode.
 
-    ``eps``, ``atol`` and ``rtol`` start as given and change only as the result says:
-    a smaller step where the model refused a finite-difference input, float32's
-    tolerances where an op ran in float32.
+    The step starts as ``requested`` and shrinks where the model refuses a
+    finite-difference input; the tolerances not requested are measured at the start of
+    each run (:attr:`tolerances`), in float32's arithmetic once an op ran in float32.
     """
 
-    def __init__(
-        self, problem: Problem, *, fast: bool, reason: str, eps: float, atol: float, rtol: float
-    ) -> None:
+    def __init__(self, problem: Problem, *, fast: bool, reason: str, requested: Requested) -> None:
         self.problem, self.fast, self.reason = problem, fast, reason
-        self.eps, self.atol, self.rtol = eps, atol, rtol
+        self.requested = requested
+        self.eps = requested.eps
+        self.tolerances = tolerances(requested, 0.0, float32=False)
+        # The first order's sensitivity at the point, measured with its tolerances.
+        self.sensitivity: Sensitivity | None = None
         self.refused: list[str] = []
         self.part = False  # a part of a model checked on its own, while narrowing down
         self._loosened = False
@@ -98,9 +100,7 @@ class Check:
     def _diagnosis(self, order: int, torch_message: str, suspects: Sequence[int] = ()) -> Diagnosis:
         """The diagnosis of this check's failure, with its step, tolerances and budget."""
         settings = Settings(
-            eps=self.eps,
-            atol=self.atol,
-            rtol=self.rtol,
+            tolerances=self.tolerances,
             fast=self.fast,
             reason=self.reason,
             part=self.part,
@@ -113,14 +113,51 @@ class Check:
         if self._loosened or not self.problem.narrowed:
             return False
         self._loosened = True
-        eps, atol, rtol = FLOAT32_TOLERANCES
-        self.eps, self.atol, self.rtol = (
-            max(self.eps, eps),
-            max(self.atol, atol),
-            max(self.rtol, rtol),
-        )
         self.budget_end = 0
         return True
+
+    def _measure(self, order: int, outputs: Sequence[torch.Tensor]) -> Tolerances:
+        """The tolerances for these outputs at the point (see :mod:`.tolerances`)."""
+        if order == 2:
+            atol, rtol = SECOND_ORDER_TOLERANCES
+            requested = Requested(
+                self.requested.eps,
+                atol if self.requested.atol is None else self.requested.atol,
+                rtol if self.requested.rtol is None else self.requested.rtol,
+            )
+        else:
+            requested = self.requested
+        # An op that ran in float32 at the point (or at a probe of an earlier run) sets
+        # the arithmetic of the whole check.
+        self._loosened = self._loosened or bool(self.problem.narrowed)
+        self.tolerances = tolerances(requested, output_scale(outputs), float32=self._loosened)
+        self.eps = self.tolerances.eps
+        return self.tolerances
+
+    def _measure_slow(self, order: int) -> None:
+        """Slow mode: the outputs at the point give the tolerances; the gradient of a
+        random weighting of them (one backward pass) gives each tensor's sensitivity."""
+        problem = self.problem
+        point = [c.value.detach().requires_grad_() for c in problem.checked]
+        outputs = problem.evaluate(point)
+        kept = [o for o in outputs if o.requires_grad] or list(outputs)
+        measured = self._measure(order, kept)
+        if order == 2:
+            return
+        generator = torch.Generator().manual_seed(EVALUATION_SEED + 2)
+        weights = [random_weights(o, generator, normalized=False) for o in kept]
+        total = weighted_sum(weights, kept)
+        gradients: Sequence[torch.Tensor | None] = [None] * len(point)
+        if isinstance(total, torch.Tensor) and total.requires_grad:
+            gradients = torch.autograd.grad(total, point, allow_unused=True)
+        scales = [
+            float(g.abs().max()) if g is not None and g.numel() else 0.0 for g in gradients
+        ]
+        self.sensitivity = sensitivity(
+            measured,
+            [c.name for c in problem.checked],
+            [(scale, measured.caught(scale)) for scale in scales],
+        )
 
     def _shrink_step(self, refused: ProbeRefused) -> None:
         """The model raised at a finite-difference input: retry with a smaller step."""
@@ -130,7 +167,10 @@ class Check:
             raise RefusedProbe(
                 self._refused_message(), tensor=refused.tensor, error=refused.error
             ) from None
-        self.eps /= STEP_SHRINK
+        self.requested = Requested(
+            self.requested.eps / STEP_SHRINK, self.requested.atol, self.requested.rtol
+        )
+        self.eps = self.requested.eps
         self.budget_end = 0
         self.refused.append(
             f"the model raised at {refused.probe} ({refused.what}): checked with "
@@ -155,8 +195,8 @@ class Check:
 
     def _footer(self) -> str:
         return (
-            f"checked {self.problem.description} in float64 (eps={self.eps:g}, "
-            f"atol={self.atol:g}, rtol={self.rtol:g}), {mode_text(self.fast, self.reason)}"
+            f"checked {self.problem.description} ({self.tolerances}), "
+            f"{mode_text(self.fast, self.reason)}"
         )
 
     def _run(self, order: int) -> None:
@@ -181,8 +221,10 @@ class Check:
         else:
             function = Probes(problem)
             inputs = [c.value.clone().requires_grad_() for c in problem.checked]
-        options = {"eps": self.eps, "atol": self.atol, "rtol": self.rtol}
         try:
+            self._measure_slow(order)
+            measured = self.tolerances
+            options = {"eps": measured.eps, "atol": measured.atol, "rtol": measured.rtol}
             if self.fast or order == 1:
                 torch.autograd.gradcheck(function, inputs, **options)
             else:
@@ -194,7 +236,9 @@ class Check:
                 return self._run(order)
             if not isinstance(error, GradcheckError):
                 raise
-            raise self._diagnosis(order, str(error)).failure() from None
+            failure = self._diagnosis(order, str(error)).failure()
+            if failure is not None:
+                raise failure from None
         except NoFloatingOutput as error:
             raise TypeError(str(error)) from None
         except CannotStayFloat64 as error:
@@ -248,32 +292,35 @@ class Check:
             for o, keep in zip(outputs, kept, strict=True)
         ]
         total = weighted_sum(weights, outputs)
+        measured = self._measure(1, [o for o, keep in zip(outputs, kept, strict=True) if keep])
         analytical: Sequence[torch.Tensor | None] = [None] * len(point)
         if isinstance(total, torch.Tensor) and total.requires_grad:
             analytical = torch.autograd.grad(total, point, allow_unused=True)
-        failed, flagged = [], []
+        failed, flagged, caught = [], [], []
         for index, (checked, gradient) in enumerate(zip(problem.checked, analytical, strict=True)):
+            largest = float(gradient.abs().max()) if gradient is not None and checked.numel else 0.0
             if not checked.numel:
+                caught.append((0.0, measured.caught(0.0)))
                 continue  # an empty tensor has no derivative to check
             direction = random_direction(checked.value, generator)
-            sides = []
-            for sign in (1, -1):
-                values = [v.detach() for v in point]
-                values[index] = torch.add(values[index], direction, alpha=sign * self.eps)
-                sides.append(weighted_sum(weights, problem.probe(values)))
-            plus, minus = (float(side) for side in sides)
+            plus, minus = self._sides(index, direction, weights, point, self.eps)
             numerical = (plus - minus) / (2 * self.eps)
             along = 0.0 if gradient is None else float((gradient * direction).sum())
             difference = abs(along - numerical)
-            if difference > self.atol + self.rtol * abs(numerical):
-                failed.append(index)
-            elif gradient is not None:
-                # The rounding error of the central difference, a few units in the last place.
-                rounding = 2 * torch.finfo(torch.float64).eps * (abs(plus) + abs(minus)) / self.eps
-                largest = float(gradient.abs().max()) if gradient.numel() else 0.0
-                smallest = float(direction.abs().min())
-                if difference > SCREENING_FRACTION * largest * smallest + rounding:
-                    flagged.append(index)
+            allowed = measured.atol + measured.rtol * abs(numerical)
+            # The rounding error of the central difference, a few units in the last place.
+            rounding = 2 * torch.finfo(torch.float64).eps * (abs(plus) + abs(minus)) / self.eps
+            screened = SCREENING_FRACTION * largest * float(direction.abs().min()) + rounding
+            threshold = min(allowed, screened) if gradient is not None else allowed
+            caught.append((largest, threshold / abs(along) if along else float("inf")))
+            if difference > allowed:
+                if measured.atol_given or not self._within_half_step(
+                    index, direction, weights, point, numerical, along
+                ):
+                    failed.append(index)
+            elif gradient is not None and difference > screened:
+                flagged.append(index)
+        self.sensitivity = sensitivity(measured, [c.name for c in problem.checked], caught)
         if (failed or flagged) and self._widen_from_now_on():
             return self._screen(torch.Generator().manual_seed(EVALUATION_SEED))
         if failed:
@@ -283,6 +330,27 @@ class Check:
             wrong = self._diagnosis(1, "", suspects=flagged).wrong_in(flagged)
             if wrong is not None:
                 raise wrong
+
+    def _sides(self, index, direction, weights, point, step) -> tuple[float, float]:
+        """The weighted outputs with tensor ``index`` moved by ``±step`` along ``direction``."""
+        sides = []
+        for sign in (1, -1):
+            values = [v.detach() for v in point]
+            values[index] = torch.add(values[index], direction, alpha=sign * step)
+            sides.append(float(weighted_sum(weights, self.problem.probe(values))))
+        return sides[0], sides[1]
+
+    def _within_half_step(self, index, direction, weights, point, numerical, along) -> bool:
+        """Whether a directional derivative that fails agrees with the finite differences
+        once their own error is allowed (:func:`.tolerances.beyond_own_error`)."""
+        plus, minus = self._sides(index, direction, weights, point, self.eps / 2)
+        beyond, _ = beyond_own_error(
+            torch.tensor(along, dtype=torch.float64),
+            torch.tensor(numerical, dtype=torch.float64),
+            torch.tensor((plus - minus) / self.eps, dtype=torch.float64),
+            self.tolerances,
+        )
+        return float(beyond) <= 1.0
 
     def _directional(self, order: int, generator: torch.Generator):
         """A function of one scalar per checked tensor: its derivatives are fast mode's checks."""
