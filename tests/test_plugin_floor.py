@@ -391,4 +391,5 @@ def test_grouped_mm_calls_the_kernel_refuses_are_refused_in_float64(package):
         torch._grouped_mm(a, b, offs=offs, bias=torch.zeros(8, dtype=torch.float64))
     with mode, pytest.raises(RuntimeError, match="got Double"):
         torch._grouped_mm(a, b, offs=offs.long())
-    assert not mode.substituted and not mode.narrowed
+    assert not mode.substituted
+    assert not mode.narrowed

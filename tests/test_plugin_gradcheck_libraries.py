@@ -5,8 +5,8 @@ torchdiffeq's adaptive solver, torch-geometric layers and user-style models (ada
 computation time, a spectral-normed layer, a closure's float32 constant, an integer
 input): each correct one passes and says what the check did for it (Mixtral's experts,
 through ``torch._grouped_mm``, which has no float64 kernel, computed in float64 all the
-same); each failure says what happened in words a user can act on. Every session is a real pytest session of
-the fixture.
+same); each failure says what happened in words a user can act on. Every session is a
+real pytest session of the fixture.
 """
 
 from __future__ import annotations

@@ -34,12 +34,7 @@ from typing import Any
 import torch
 from torch.utils._device import DeviceContext, _device_constructors
 
-from .control_flow import (
-    UNKNOWN_LOCATION,
-    Location,
-    user_location,
-    without_torch_function_modes,
-)
+from .control_flow import UNKNOWN_LOCATION, Location, user_location, without_torch_function_modes
 from .naming import op_name
 
 __all__ = [
@@ -234,7 +229,7 @@ class Float64Mode(DeviceContext):
             try:
                 with without_torch_function_modes():
                     result = equivalent.function(*args, **kwargs)
-            except Exception:  # a call the kernel refuses as well: float32 says what it says
+            except Exception:  # left to float32, which re-raises ``error`` if it fails too
                 result = None
             if result is not None:
                 location = _location()
@@ -324,7 +319,11 @@ class Float64Mode(DeviceContext):
 @dataclass(frozen=True)
 class Equivalent:
     """How an op without a float64 kernel is computed in float64: ``function`` takes the
-    op's arguments and returns its result, or ``None`` for a call it does not reproduce."""
+    op's arguments and returns its result, or ``None`` for a call it does not reproduce.
+
+    Autograd differentiates ``function``: a gradient check's analytical gradient comes
+    from its backward, not from the op's own, so what is checked is the model's math.
+    """
 
     description: str
     function: Callable[..., torch.Tensor | None]
