@@ -8,7 +8,8 @@
   ``compile_check``, ``export_check`` and ``autograd_determinism`` gets each check's own
   failure class and name, and no private class escapes.
 - The floor's pieces, called directly: nested values through pytree (dataclasses too),
-  typed run keys, locations that keep their parts.
+  typed run keys, locations that keep their parts, ``torch._grouped_mm`` (no float64
+  kernel) computed in float64 through its equivalent, equal to torch's float32 kernel.
 """
 
 from __future__ import annotations
@@ -323,3 +324,72 @@ def test_a_location_keeps_its_parts(package, tmp_path: Path):
     assert copy.filename == str(source)
     assert str(control_flow.UNKNOWN_LOCATION) == "<unknown location>"
     assert control_flow.UNKNOWN_LOCATION.source == ""
+
+
+def grouped_mm_layouts() -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """``torch._grouped_mm``'s operands on each layout, 3 groups, the second one empty."""
+    torch.manual_seed(0)
+    offs = torch.tensor([3, 3, 8], dtype=torch.int32)  # end offsets: rows 0-2, none, 3-7
+    return {
+        "2D x 3D": (torch.randn(8, 4), torch.randn(3, 4, 8), offs),
+        # transformers' MoE experts: tokens sorted by expert, weights (E, out, in) transposed
+        "2D x 3D, transposed weights": (torch.randn(8, 4), torch.randn(3, 8, 4).mT, offs),
+        "3D x 2D": (torch.randn(3, 4, 4), torch.randn(4, 8), offs),
+        "2D x 2D, groups along K": (torch.randn(4, 8), torch.randn(8, 4), offs),
+        "3D x 3D": (torch.randn(3, 4, 8), torch.randn(3, 8, 4), None),
+    }
+
+
+@pytest.mark.parametrize("layout", list(grouped_mm_layouts()))
+def test_grouped_mm_is_computed_in_float64_as_a_matmul_per_group(package, layout: str):
+    float64 = package("float64")
+    a, b, offs = grouped_mm_layouts()[layout]
+    a, b = a.requires_grad_(), b.requires_grad_()
+    expected = torch._grouped_mm(a, b, offs=offs)  # torch's float32 kernel
+    cotangent = torch.randn_like(expected)
+    expected_grads = torch.autograd.grad(expected, (a, b), cotangent)
+    mode = float64.Float64Mode()
+    wide_a, wide_b = a.double(), b.double()
+    with mode:
+        out = torch._grouped_mm(wide_a, wide_b, offs=offs)  # the user's line
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out.float(), expected)
+    grads = torch.autograd.grad(out, (a, b), cotangent.double())
+    for grad, expected_grad in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(grad, expected_grad)
+    (substitution,) = mode.substituted.values()
+    assert substitution.location.filename == __file__
+    assert substitution.location.source.endswith("# the user's line")
+    assert str(substitution) == (
+        f"torch._grouped_mm as a float64 matmul per group (at {substitution.location})"
+    )
+    assert not mode.narrowed
+
+
+def test_grouped_mm_rows_past_the_last_offset_are_zero_in_float64(package):
+    """The kernel leaves them unwritten (they hold whatever memory held); the rows before
+    are the kernel's."""
+    float64 = package("float64")
+    torch.manual_seed(0)
+    a, b = torch.randn(8, 4), torch.randn(3, 4, 8)
+    offs = torch.tensor([2, 2, 5], dtype=torch.int32)
+    with float64.Float64Mode():
+        out = torch._grouped_mm(a.double(), b.double(), offs=offs)
+    torch.testing.assert_close(out[:5].float(), torch._grouped_mm(a, b, offs=offs)[:5])
+    assert torch.equal(out[5:], torch.zeros(3, 8, dtype=torch.float64))
+
+
+def test_grouped_mm_calls_the_kernel_refuses_are_refused_in_float64(package):
+    """A bias (not supported by torch 2.13's kernels) and int64 offsets fail in float64 as
+    they do in float32: no equivalent makes them work."""
+    float64 = package("float64")
+    torch.manual_seed(0)
+    a, b = torch.randn(8, 4, dtype=torch.float64), torch.randn(3, 4, 8, dtype=torch.float64)
+    offs = torch.tensor([3, 3, 8], dtype=torch.int32)
+    mode = float64.Float64Mode()
+    with mode, pytest.raises(RuntimeError, match="got Double"):
+        torch._grouped_mm(a, b, offs=offs, bias=torch.zeros(8, dtype=torch.float64))
+    with mode, pytest.raises(RuntimeError, match="got Double"):
+        torch._grouped_mm(a, b, offs=offs.long())
+    assert not mode.substituted
+    assert not mode.narrowed

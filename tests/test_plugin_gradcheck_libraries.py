@@ -3,9 +3,10 @@
 Tiny random configurations of transformers' Mixtral and Llama (nothing downloaded),
 torchdiffeq's adaptive solver, torch-geometric layers and user-style models (adaptive
 computation time, a spectral-normed layer, a closure's float32 constant, an integer
-input): each correct one passes and says what the check did for it; each failure says
-what happened in words a user can act on. Every session is a real pytest session of
-the fixture.
+input): each correct one passes and says what the check did for it (Mixtral's experts,
+through ``torch._grouped_mm``, which has no float64 kernel, computed in float64 all the
+same); each failure says what happened in words a user can act on. Every session is a
+real pytest session of the fixture.
 """
 
 from __future__ import annotations
@@ -23,11 +24,11 @@ from torch import nn
 from helpers import *
 
 
-def mixtral(experts=None):
+def mixtral(experts=None, hidden=16):
     from transformers import MixtralConfig, MixtralModel
 
     config = MixtralConfig(
-        vocab_size=32, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
+        vocab_size=32, hidden_size=hidden, intermediate_size=16, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, num_local_experts=4, num_experts_per_tok=2,
     )
     if experts is not None:
@@ -40,10 +41,44 @@ def test_mixtral_with_an_op_that_has_no_float64_kernel(gradcheck):
     model = mixtral()
     embeddings = torch.randn(1, 5, 16, requires_grad=True)
     result = gradcheck(lambda e: model(inputs_embeds=e).last_hidden_state, embeddings)
-    (narrowed,) = result.narrowed
-    assert narrowed.startswith("torch._grouped_mm at ") and "integrations/moe.py:" in narrowed
-    assert "got Double" in narrowed  # what torch said in float64
-    assert "computed in float32 where no float64 kernel exists" in str(result)
+    assert_grouped_mm_in_float64(result)
+
+
+def assert_grouped_mm_in_float64(result):
+    \"\"\"torch._grouped_mm, which has no float64 kernel, computed in float64 all the same.\"\"\"
+    (substituted,) = result.substituted
+    assert substituted.startswith("torch._grouped_mm as a float64 matmul per group (at ")
+    assert "integrations/moe.py:" in substituted
+    assert "computed in float64 through an equivalent where no float64 kernel exists" in str(
+        result
+    )
+    assert result.narrowed == () and result.tolerances == (1e-6, 1e-5, 1e-3)
+
+
+def mixtral_experts():
+    \"\"\"The sparse MoE block of a one-layer Mixtral: hidden size 8, 4 experts, 2 per token,
+    its experts through torch._grouped_mm (transformers' default).\"\"\"
+    return mixtral(hidden=8).layers[0].mlp
+
+
+def test_mixtral_experts_in_float64(gradcheck):
+    torch.manual_seed(0)
+    block = mixtral_experts()
+    assert_grouped_mm_in_float64(gradcheck(block, torch.randn(1, 5, 8, requires_grad=True)))
+
+
+def test_mixtral_experts_with_a_doubled_gradient(gradcheck):
+    torch.manual_seed(0)
+    block = mixtral_experts()
+    block.experts.down_proj.register_hook(lambda grad: 2 * grad)
+    gradcheck(block, torch.randn(1, 5, 8, requires_grad=True))
+
+
+def test_mixtral_experts_with_a_gradient_one_percent_off(gradcheck):
+    torch.manual_seed(0)
+    block = mixtral_experts()
+    block.experts.down_proj.register_hook(lambda grad: 1.01 * grad)
+    gradcheck(block, torch.randn(1, 5, 8, requires_grad=True), atol=1e-9, rtol=1e-4)
 
 
 def test_mixtral_with_a_zero_router_is_a_loop_boundary_of_a_parameter(gradcheck):
@@ -155,6 +190,22 @@ def test_integer_inputs_are_passed_as_they_are(gradcheck):
 """
 
 EXPECTED_LIBRARY_FAILURES = {
+    "test_mixtral_experts_with_a_doubled_gradient": [
+        "E*WrongGradient: wrong first-order gradient of MixtralSparseMoeBlock: the error enters "
+        "in the gradient hook test_mixtral_experts_with_a_doubled_gradient.<lambda> "
+        "(test_session.py:*) of parameter experts.down_proj",
+        "E*of 512 elements of parameter experts.down_proj are wrong; in all of them the "
+        "analytical gradient is 2 times the numerical one",
+        "E*checked MixtralSparseMoeBlock in float64 (eps=1e-06, atol=1e-05, rtol=0.001)*",
+    ],
+    "test_mixtral_experts_with_a_gradient_one_percent_off": [
+        "E*WrongGradient: wrong first-order gradient of MixtralSparseMoeBlock: the error enters "
+        "in the gradient hook test_mixtral_experts_with_a_gradient_one_percent_off.<lambda> "
+        "(test_session.py:*) of parameter experts.down_proj",
+        "E*of 512 elements of parameter experts.down_proj are wrong; in all of them the "
+        "analytical gradient is 1.01 times the numerical one",
+        "E*checked MixtralSparseMoeBlock in float64 (eps=1e-06, atol=1e-09, rtol=0.0001)*",
+    ],
     "test_mixtral_with_a_zero_router_is_a_loop_boundary_of_a_parameter": [
         "E*BranchBoundary: cannot check the gradient of *<lambda> here: the point is within eps"
         " of a branch boundary at decision #* (*modeling_mixtral.py:*): moving parameter "
@@ -178,7 +229,7 @@ EXPECTED_LIBRARY_FAILURES = {
 
 
 def test_library_models_and_user_habits(plugin_pytester):
-    result = check_session(plugin_pytester, LIBRARIES, passed=8, expected=EXPECTED_LIBRARY_FAILURES)
+    result = check_session(plugin_pytester, LIBRARIES, passed=9, expected=EXPECTED_LIBRARY_FAILURES)
     report = "\n".join(result.outlines)
     assert "the input is within eps" not in report
 

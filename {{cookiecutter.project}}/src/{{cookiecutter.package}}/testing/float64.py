@@ -13,24 +13,41 @@ float32 tensors held outside the model. :class:`Float64Mode`, a
   make under the check: a constant in a closure, a NumPy array turned into a
   tensor) is widened before the op runs.
 
-Each widening is recorded once, with the user's line, for the check's report. A
-bit-level reinterpretation (``x.view(torch.int32)``) of a float tensor cannot be
-kept wide: it raises :class:`CannotStayFloat64` naming the line.
+Where an op has no float64 kernel, it is computed in float64 through an equivalent
+made of ops that have one (:data:`EQUIVALENTS`: ``torch._grouped_mm`` as a matmul per
+group), so autograd differentiates the equivalent: the gradient checked is then the
+one of the model's math, and a wrong backward of the op's own kernel is not what is
+checked. A call no equivalent reproduces runs on float32 copies instead.
+
+Each widening, equivalent and float32 op is recorded once, with the user's line, for
+the check's report. A bit-level reinterpretation (``x.view(torch.int32)``) of a float
+tensor cannot be kept wide: it raises :class:`CannotStayFloat64` naming the line.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch.utils._device import DeviceContext, _device_constructors
 
-from .control_flow import UNKNOWN_LOCATION, Location, user_location
+from .control_flow import UNKNOWN_LOCATION, Location, user_location, without_torch_function_modes
 from .naming import op_name
 
-__all__ = ["NARROW", "CannotStayFloat64", "Float64Mode", "Narrowing", "Widening", "writes"]
+__all__ = [
+    "EQUIVALENTS",
+    "NARROW",
+    "CannotStayFloat64",
+    "Equivalent",
+    "Float64Mode",
+    "Narrowing",
+    "Substitution",
+    "Widening",
+    "writes",
+]
 
 WIDE = {
     torch.float32: torch.float64,
@@ -51,7 +68,8 @@ _TYPE_NAMES = {
     for device in ("", "cuda.")
     for narrow in ("Float", "Half", "BFloat16")
 }
-# Where an op has no float64 kernel, it runs on float32 copies (see Float64Mode._in_float32).
+# Where an op has no float64 kernel and no equivalent reproduces the call, it runs on
+# float32 copies (see Float64Mode._in_float32).
 NARROW = {torch.float64: torch.float32, torch.complex128: torch.complex64}
 _WITH_DTYPE_ARGUMENT = (torch.Tensor.to, torch.Tensor.type)
 # What reads a tensor's metadata, not its values: a narrow tensor passed to these is
@@ -115,6 +133,18 @@ class Narrowing:
 
 
 @dataclass(frozen=True)
+class Substitution:
+    """An op that has no float64 kernel here, computed in float64 through its equivalent."""
+
+    op: str
+    equivalent: str  # what it was computed as: "a float64 matmul per group"
+    location: Location
+
+    def __str__(self) -> str:
+        return f"{self.op} as {self.equivalent} (at {self.location})"
+
+
+@dataclass(frozen=True)
 class Widening:
     """One place where the forward asked for a narrow dtype and got float64 instead."""
 
@@ -130,7 +160,8 @@ class Float64Mode(DeviceContext):
     """Widens dtype arguments, casts and narrow tensor arguments to float64/complex128.
 
     Use it together with ``torch.set_default_dtype(torch.float64)``; ``widened`` holds
-    each widening once, in the order first seen.
+    each widening once, in the order first seen, ``substituted`` each op computed
+    through its float64 equivalent, ``narrowed`` each op run in float32.
 
     It is a ``DeviceContext`` (for the default device, so it places tensors where they
     would go anyway) because the autograd engine runs backward without the function
@@ -142,6 +173,7 @@ class Float64Mode(DeviceContext):
     def __init__(self) -> None:
         super().__init__(torch.get_default_device())
         self.widened: dict[Any, Widening] = {}
+        self.substituted: dict[tuple[str, Location], Substitution] = {}
         self.narrowed: dict[tuple[str, Location], Narrowing] = {}
         # By id of a narrow tensor from outside the check: (it, its version, the float64
         # copy, the copy's version).
@@ -182,7 +214,30 @@ class Float64Mode(DeviceContext):
         try:
             return func(*args, **kwargs)
         except (RuntimeError, NotImplementedError) as error:
-            return self._in_float32(func, args, kwargs, error)
+            return self._without_float64_kernel(func, args, kwargs, error)
+
+    def _without_float64_kernel(self, func, args: tuple, kwargs: dict, error: Exception) -> Any:
+        """``func`` raised ``error`` on float64 arguments: computed through its float64
+        equivalent where one reproduces the call, else on float32 copies.
+
+        The equivalent runs with no torch function mode active, as a kernel would: the
+        modes outside this one saw the op, not what computes it (reading ``offs`` is no
+        decision of the forward's).
+        """
+        equivalent = EQUIVALENTS.get(func)
+        if equivalent is not None:
+            try:
+                with without_torch_function_modes():
+                    result = equivalent.function(*args, **kwargs)
+            except Exception:  # left to float32, which re-raises ``error`` if it fails too
+                result = None
+            if result is not None:
+                location = _location()
+                key = (op_name(func), location)
+                if key not in self.substituted:
+                    self.substituted[key] = Substitution(key[0], equivalent.description, location)
+                return result
+        return self._in_float32(func, args, kwargs, error)
 
     def _in_float32(self, func, args: tuple, kwargs: dict, error: Exception) -> Any:
         """``func`` on float32 copies of its float64 arguments, its result widened back.
@@ -259,6 +314,81 @@ class Float64Mode(DeviceContext):
         key = key or (what, location)
         if key not in self.widened:
             self.widened[key] = Widening(what, asked, location)
+
+
+@dataclass(frozen=True)
+class Equivalent:
+    """How an op without a float64 kernel is computed in float64: ``function`` takes the
+    op's arguments and returns its result, or ``None`` for a call it does not reproduce.
+
+    Autograd differentiates ``function``: a gradient check's analytical gradient comes
+    from its backward, not from the op's own, so what is checked is the model's math.
+    """
+
+    description: str
+    function: Callable[..., torch.Tensor | None]
+
+
+def _grouped_mm_per_group(
+    mat_a: torch.Tensor,
+    mat_b: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor | None:
+    """``torch._grouped_mm(mat_a, mat_b, offs=offs)`` on float64 tensors, one matmul per group.
+
+    As torch 2.13 defines it (``_meta_registrations.py``, the CPU fallback): ``offs`` holds
+    the int32 end offsets of the groups along the sliced dimension, each group starting
+    where the one before ends (an empty group is an expert that got no tokens):
+
+    - 2D ``(M, K)`` x 3D ``(G, K, N)`` -> ``(M, N)``: rows of group g times ``mat_b[g]``;
+    - 3D ``(G, M, K)`` x 2D ``(K, N)`` -> ``(M, N)``: ``mat_a[g]`` times columns of group g;
+    - 2D ``(M, K)`` x 2D ``(K, N)`` -> ``(G, M, N)``: the groups split K; an empty one is 0;
+    - 3D x 3D (no ``offs``): a batched matmul.
+
+    Rows (columns, K) past the last offset are ignored; the kernel leaves those output
+    rows unwritten, here they are 0. ``None`` for what the kernel refuses or does not
+    define (a bias, decreasing offsets or offsets past the end) and for complex tensors,
+    which it has no kernel for either. Its 16-byte stride alignment is not required.
+    """
+    a, b = mat_a, mat_b
+    if (
+        bias is not None
+        or out_dtype not in (None, torch.float64, *WIDE)
+        or not a.dtype == b.dtype == torch.float64
+        or {a.dim(), b.dim()} - {2, 3}
+    ):
+        return None
+    if a.dim() == b.dim() == 3:
+        return torch.bmm(a, b) if offs is None else None
+    if offs is None or offs.dim() != 1 or offs.dtype != torch.int32:
+        return None
+    ends = offs.tolist()
+    groups = list(zip([0, *ends[:-1]], ends, strict=True))  # (start, end) of each
+    if a.dim() == b.dim() == 2:
+        count, length = len(ends), min(a.size(1), b.size(0))
+    elif a.dim() == 2:
+        count, length = b.size(0), a.size(0)
+    else:
+        count, length = a.size(0), b.size(1)
+    if not 0 < len(ends) == count or ends[-1] > length or any(s > e for s, e in groups):
+        return None
+    if a.dim() == b.dim() == 2:
+        return torch.stack([a[:, s:e] @ b[s:e] for s, e in groups])
+    if a.dim() == 2:
+        rows = [a[s:e] @ b[g] for g, (s, e) in enumerate(groups)]
+        return torch.cat([*rows, a.new_zeros(a.size(0) - ends[-1], b.size(2))])
+    columns = [a[g] @ b[:, s:e] for g, (s, e) in enumerate(groups)]
+    return torch.cat([*columns, a.new_zeros(a.size(1), b.size(1) - ends[-1])], dim=1)
+
+
+# The ops without a float64 kernel (on the CPU, in torch 2.13) that an equivalent made of
+# ops with one reproduces. None other of torch's operator database (op_db) raises in
+# float64 where it runs in float32 on the CPU.
+EQUIVALENTS: dict[Any, Equivalent] = {
+    torch._grouped_mm: Equivalent("a float64 matmul per group", _grouped_mm_per_group),
+}
 
 
 def _holds(args: tuple, kwargs: dict, dtypes: dict) -> bool:

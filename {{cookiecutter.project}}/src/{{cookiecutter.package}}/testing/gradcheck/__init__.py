@@ -3,8 +3,8 @@
 ``gradcheck(model, x)`` compares the gradients autograd computes with finite
 differences, for the inputs that require grad and every trainable parameter of the
 modules the callable reaches (:mod:`.calls`). It computes in float64 end to end
-(:mod:`.float64`; an op without a float64 kernel runs in float32, and the check then
-takes float32's tolerances): the modules hold float64 copies of their parameters and
+(:mod:`.float64`; an op without a float64 kernel through an equivalent, else in float32
+with float32's tolerances): the modules hold float64 copies of their parameters and
 buffers while it runs and get their own tensors back afterwards, so the model and
 tensors passed in keep their dtype, values, device, ``requires_grad``, ``.grad`` and
 hooks. Parameter gradient hooks run on the copies: they are part of the checked
@@ -190,6 +190,7 @@ def gradcheck(
         seconds=time.perf_counter() - started,
         widened=tuple(str(w) for w in problem.widened.values()),
         branches=sides,
+        substituted=tuple(str(s) for s in problem.substituted.values()),
         narrowed=tuple(str(n) for n in problem.narrowed.values()),
         tolerances=_tolerances(check, sensitivity),
         sensitivity=sensitivity,

@@ -20,7 +20,7 @@ from ..calls import reentrant_checkpoint
 from ..comparison import bitwise_equal
 from ..control_flow import UNKNOWN_LOCATION, Location, display_path, probing, user_location
 from ..failures import quoted, raised
-from ..float64 import CannotStayFloat64, Float64Mode, Narrowing, Widening, writes
+from ..float64 import CannotStayFloat64, Float64Mode, Narrowing, Substitution, Widening, writes
 from ..naming import describe_callable, element_name, op_name
 from ..parts import State, definition
 from ..subject import Slot, Subject
@@ -119,6 +119,7 @@ class Problem:
         self._mode = Float64Mode()
         self.widened: dict[Any, Widening] = self._mode.widened
         self.narrowed: dict[Any, Narrowing] = self._mode.narrowed
+        self.substituted: dict[Any, Substitution] = self._mode.substituted
         # Whether evaluations run under Float64Mode: None until the first evaluation (which
         # does) shows whether the forward needs it; True after a check failed without it.
         self.widen: bool | None = None
@@ -331,7 +332,7 @@ class Problem:
         with self._mode:
             output = self.function(*args, **kwargs)
         if self.widen is None:
-            self.widen = bool(self.widened or self.narrowed)
+            self.widen = bool(self.widened or self.narrowed or self.substituted)
         return self._floating_outputs(output)
 
     def _install(self, values: Sequence[torch.Tensor]) -> list[torch.Tensor]:

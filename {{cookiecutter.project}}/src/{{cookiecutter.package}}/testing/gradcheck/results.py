@@ -270,6 +270,8 @@ class GradcheckResult:
     seconds: float
     widened: tuple[str, ...] = ()
     branches: tuple[BranchSide, ...] = ()  # with branches="all": each decision's other side
+    # Ops without a float64 kernel computed in float64 through an equivalent.
+    substituted: tuple[str, ...] = ()
     # Ops without a float64 kernel, run in float32.
     narrowed: tuple[str, ...] = ()
     tolerances: tuple[float, float, float] = (1e-6, 1e-5, 1e-3)  # eps, atol, rtol
@@ -291,6 +293,7 @@ class GradcheckResult:
             f"gradcheck {self.function}: {order} order passed in {self.seconds:.2f} s, "
             f"{mode_text(self.fast, self.mode_reason)}, {len(self.tensors)} tensor(s) "
             f"({', '.join(name for name, _ in self.tensors)}){moved}{_widened_text(self.widened)}"
+            f"{_substituted_text(self.substituted)}"
             f"{_narrowed_text(self.narrowed)}{_refused_text(self.refused)}"
             f"{_held_text(self.held_buffers)}{_branches_text(self.branches)}"
             f"{'; ' + str(self.sensitivity) if self.sensitivity else ''}"
@@ -307,6 +310,15 @@ def _narrowed_text(narrowed: Sequence[str]) -> str:
     if not narrowed:
         return ""
     return f"; computed in float32 where no float64 kernel exists: {', '.join(narrowed)}"
+
+
+def _substituted_text(substituted: Sequence[str]) -> str:
+    if not substituted:
+        return ""
+    return (
+        "; computed in float64 through an equivalent where no float64 kernel exists: "
+        + ", ".join(substituted)
+    )
 
 
 def _refused_text(refused: Sequence[str]) -> str:
