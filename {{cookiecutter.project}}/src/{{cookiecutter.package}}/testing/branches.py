@@ -9,20 +9,24 @@ direction, its gradient: a Newton step to just beyond the boundary; while not cr
 a secant step where the margin is as straight as its gradient says, else the gradient
 taken again where the search stands (re-linearising where the margin is curved), and
 doubling the step where it only flattens; once crossed, bisection back toward the
-boundary (in log scale over orders of magnitude). The point kept lies far enough
-beyond the boundary that finite differences do not cross back.
+boundary (regula falsi, then in log scale across orders of magnitude). The point kept
+lies far enough beyond the boundary, by the margin's slope there, that finite
+differences do not cross back.
 
 The search spends at most ``FORWARD_PASSES`` forward passes per decision, however far
 the boundary is; the distance moved is reported (relative to the inputs' norm), as
 information. Where no other side is found, the result says why: the budget was spent;
 the branch is on a tensor that is no comparison (``if mask.any()``); the margin has no
-gradient to follow or is not finite (a comparison with ``inf``); or the model refused
-the moved inputs (it raises: a solver's assertion), whose exception is never the
-verdict.
+gradient to follow, or is not finite (a comparison with ``inf``); it comes no nearer its
+boundary along its gradient (a saturated probability); the model refused the moved
+inputs (it raises: a solver's assertion), whose exception is never the verdict; or the
+other side lies at inputs so large that their rounding changes a finite-difference step
+of ``eps`` (at 1e5 and above for ``eps=1e-6`` in float64), where no check can be trusted.
 """
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -36,11 +40,12 @@ from .failures import raised
 
 __all__ = ["FORWARD_PASSES", "BranchSide", "other_sides"]
 
-# Forward passes the search spends per decision at most (a re-linearisation is one, with
-# its backward). A margin as straight as its gradient says is crossed in one; each
-# doubling reaches a boundary twice as far as the last guess, so the ~20 passes left after
-# a few re-linearisations reach one a million times farther than the linear guess, and
-# bisecting back takes about 6. It is little next to the check itself, which evaluates
+# Forward passes the search spends per decision at most (re-linearising counts one, with
+# its backward). A margin as straight as its gradient says is crossed in one pass (the
+# template's models: 1 to 4), a curved one in a few re-linearisations (an adaptive
+# computation loop: 3 to 11); doubling then reaches a boundary 2**k times farther than
+# the last linear guess in k passes, so the ~20 left reach one a million times farther,
+# with about 6 to bisect back. It is little next to the check itself, which evaluates
 # the model twice per checked element in slow mode.
 FORWARD_PASSES = 32
 
@@ -143,7 +148,9 @@ class BranchSide:
                 f"{where}: {self.at_point} at the point, {other} with the inputs moved by "
                 f"{self.moved:.3g} of their norm ({passes})"
             )
-        return f"{where}: {self.at_point} at the point; {other} not checked: {self.reason} ({passes})"
+        return (
+            f"{where}: {self.at_point} at the point; {other} not checked: {self.reason} ({passes})"
+        )
 
 
 def _key(branch: _Branch) -> tuple[Location, int]:
@@ -188,7 +195,13 @@ def other_sides(
             )
             sides.append(
                 BranchSide(
-                    branch.location, branch.occurrence, branch.outcome, False, 0, budget, reason=reason
+                    branch.location,
+                    branch.occurrence,
+                    branch.outcome,
+                    False,
+                    0,
+                    budget,
+                    reason=reason,
                 )
             )
             continue
@@ -205,6 +218,15 @@ def _dense(gradients: Sequence[torch.Tensor | None], like: Sequence[torch.Tensor
     ]
 
 
+class _NoVerdict(enum.Enum):
+    """Why a moved input says nothing about the decision searched for."""
+
+    REFUSED = enum.auto()  # the model raised
+    NOT_MADE = enum.auto()  # the forward made no such decision there
+    NO_COMPARISON = enum.auto()  # the decision there is on no comparison
+    NOT_FINITE = enum.auto()  # the compared value is not finite there
+
+
 @dataclass(frozen=True)
 class _Probe:
     """The decision searched for, at the inputs moved by ``t`` along a line."""
@@ -213,7 +235,8 @@ class _Probe:
     values: list[torch.Tensor]
     margin: float | None = None  # positive on the point's side; None: no verdict there
     crossed: bool = False
-    why: str = ""  # where there is no verdict: why
+    no_verdict: _NoVerdict | None = None
+    detail: str = ""  # the exception raised, or the value compared
 
 
 class _Search:
@@ -251,7 +274,9 @@ class _Search:
         margin = self.sign * float(self.branch.margin.detach())
         squared = sum(float(g.square().sum()) for g in gradients)
         if not math.isfinite(margin) or not math.isfinite(squared):
-            what = "compared value" if not math.isfinite(margin) else "gradient of the compared value"
+            what = (
+                "compared value" if not math.isfinite(margin) else "gradient of the compared value"
+            )
             value = self.sign * margin if not math.isfinite(margin) else squared
             reason = f"the {what} is {value} at the point: no finite step crosses to the other side"
             return self.side(False, reason=reason)
@@ -321,13 +346,13 @@ class _Search:
                 t = _bisected(low.t, upper.t, clearance)
         if high is not None:
             return self.found(high)
-        return self.unfound(low, f"not found within the budget of {self.budget} forward passes", cap)
+        return self.unfound(
+            low, f"not found within the budget of {self.budget} forward passes", cap
+        )
 
     def note_blocked(self, probe: _Probe) -> None:
         """Keep ``probe`` if it is the nearest input the model gave no verdict on."""
-        if self.blocked is None or self.distance(probe.values) < self.distance(
-            self.blocked.values
-        ):
+        if self.blocked is None or self.distance(probe.values) < self.distance(self.blocked.values):
             self.blocked = probe
 
     def probe(self, base: _Probe, direction: list[torch.Tensor], t: float) -> _Probe:
@@ -339,16 +364,17 @@ class _Search:
             with torch.no_grad():
                 recorded = _record(self.evaluate, moved)
         except Exception as error:  # the model refuses this input: no verdict on it
-            return _Probe(t, moved, why=f"refused ({raised(error)})")
+            return _Probe(t, moved, no_verdict=_NoVerdict.REFUSED, detail=raised(error))
         for other in recorded:
             if _key(other) == _key(self.branch):
                 if other.margin is None:
-                    return _Probe(t, moved, why="no comparison there")
+                    return _Probe(t, moved, no_verdict=_NoVerdict.NO_COMPARISON)
                 margin = self.sign * float(other.margin)
                 if not math.isfinite(margin):
-                    return _Probe(t, moved, why=f"the compared value is {margin} there")
+                    detail = f"{float(other.margin)}"
+                    return _Probe(t, moved, no_verdict=_NoVerdict.NOT_FINITE, detail=detail)
                 return _Probe(t, moved, margin, other.outcome != self.branch.outcome)
-        return _Probe(t, moved, why="not made")
+        return _Probe(t, moved, no_verdict=_NoVerdict.NOT_MADE)
 
     def linearised(self, probe: _Probe) -> list[torch.Tensor] | None:
         """The margin's gradient at ``probe`` (one forward pass and its backward), or
@@ -392,19 +418,7 @@ class _Search:
         blocked = self.blocked
         reasons = [spent] if spent else []
         if blocked is not None:
-            distance = f"{self.distance(blocked.values):.3g} of their norm"
-            if blocked.why.startswith("refused "):
-                reasons.append(
-                    f"the model refused the inputs moved toward its other side by {distance} "
-                    f"{blocked.why.removeprefix('refused ')}; this side is not checked"
-                )
-            elif blocked.why == "not made":
-                reasons.append(
-                    f"with the inputs moved toward its other side by {distance}, the forward "
-                    f"made no decision #{self.branch.occurrence} at {self.branch.location}"
-                )
-            else:
-                reasons.append(f"{blocked.why}, with the inputs moved by {distance}")
+            reasons.append(self.no_verdict(blocked))
         elif not spent and cap is not None:
             distance = self.distance(low.values)
             reasons.append(
@@ -422,6 +436,20 @@ class _Search:
             )
         return self.side(False, reason="; ".join(reasons))
 
+    def no_verdict(self, blocked: _Probe) -> str:
+        """Why the model says nothing about the decision at ``blocked``."""
+        distance = self.distance(blocked.values)
+        toward = f"the inputs moved toward its other side by {distance:.3g} of their norm"
+        if blocked.no_verdict is _NoVerdict.REFUSED:
+            return f"the model refused {toward} ({blocked.detail}); this side is not checked"
+        if blocked.no_verdict is _NoVerdict.NOT_MADE:
+            branch = self.branch
+            decision = f"decision #{branch.occurrence} at {branch.location}"
+            return f"with {toward}, the forward made no {decision}"
+        if blocked.no_verdict is _NoVerdict.NOT_FINITE:
+            return f"with {toward}, the compared value is {blocked.detail}"
+        return f"with {toward}, the decision there is on no comparison"
+
 
 def _clearance(gradients: Sequence[torch.Tensor], eps: float) -> float:
     """How far beyond its boundary a margin with these gradients must be: finite
@@ -436,9 +464,12 @@ def _nearer(kept: _Probe | None, probe: _Probe) -> _Probe:
 def _resolution(values: Sequence[torch.Tensor], movable: Sequence[int], eps: float) -> float:
     """How much rounding the inputs changes a step of ``eps``, relative to it."""
     return max(
-        float(values[i].abs().max()) * torch.finfo(values[i].dtype).eps / 2 / eps
-        for i in movable
-        if values[i].numel()
+        (
+            float(values[i].abs().max()) * torch.finfo(values[i].dtype).eps / 2 / eps
+            for i in movable
+            if values[i].numel()
+        ),
+        default=0.0,
     )
 
 
@@ -452,6 +483,6 @@ def _bisected(low: float, high: float, scale: float) -> float:
     """Between ``low`` and ``high``: the middle, in log scale (from ``scale`` where
     ``low`` is 0) while they are orders of magnitude apart."""
     bottom = max(low, scale)
-    if 0 < bottom and high > _LOG_SCALE * bottom:
+    if bottom > 0 and high > _LOG_SCALE * bottom:
         return (bottom * high) ** 0.5
     return (low + high) / 2

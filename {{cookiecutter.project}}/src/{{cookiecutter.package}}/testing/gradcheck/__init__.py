@@ -252,7 +252,9 @@ def _reported(
     if localize and isinstance(failure, WrongGradient) and failure.order == 1:
         failure = localized(problem, check, failure, None if side is None else side.values)
     if side is not None:
-        which = "the branch" if side.occurrence == 1 else f"decision #{side.occurrence} of the branch"
+        which = (
+            "the branch" if side.occurrence == 1 else f"decision #{side.occurrence} of the branch"
+        )
         failure.args = (
             f"on the other side of {which} at {side.location} ({side.source}): "
             f"{not side.at_point} there, {side.at_point} at the given point; the inputs "
