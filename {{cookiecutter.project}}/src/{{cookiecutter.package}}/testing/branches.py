@@ -73,10 +73,13 @@ _CURVED = 0.5
 # A gradient remade this close in direction (cosine) to the line's says the margin only
 # flattens along the line: the search doubles its step on that line instead.
 _PARALLEL = 0.99
-# Bisection stops once the crossing is bracketed within this fraction of the step; it
-# halves the step in log scale while the bracket spans more than _LOG_SCALE times.
+# Bisection stops once the crossing is bracketed within this fraction of the step (or
+# within the clearance); it halves in log scale while the bracket spans more than
+# _LOG_SCALE times, and regula falsi keeps this fraction of the bracket off its ends, so
+# that each step narrows the bracket by at least that much.
 _TIGHT = 0.25
 _LOG_SCALE = 4.0
+_OFF_THE_ENDS = 1 / 8
 # A point is checked only where the inputs' rounding changes a finite-difference step of
 # eps by at most this fraction of itself (or twice as much as at the given point): a
 # hundredth of the default rtol, so no rounded step moves a numerical gradient near it.
@@ -228,7 +231,7 @@ class _NoVerdict(enum.Enum):
 
 
 @dataclass(frozen=True)
-class _Probe:
+class _Trial:
     """The decision searched for, at the inputs moved by ``t`` along a line."""
 
     t: float
@@ -249,7 +252,7 @@ class _Search:
         self.sign = 1.0 if branch.outcome else -1.0
         self.norm = sum(float(values[i].square().sum()) for i in movable) ** 0.5 or 1.0
         self.passes = 0
-        self.blocked: _Probe | None = None  # the nearest moved input with no verdict
+        self.blocked: _Trial | None = None  # the nearest moved input with no verdict
 
     def side(self, found: bool, *, moved: float | None = None, reason: str = "", values=None):
         branch = self.branch
@@ -282,14 +285,14 @@ class _Search:
             return self.side(False, reason=reason)
         if squared == 0.0:
             return self.side(False, reason="the gradient of the compared value is zero here")
-        base = _Probe(0.0, list(self.values), margin)
+        base = _Trial(0.0, list(self.values), margin)
         while True:
             outcome = self.line(base, gradients)
             if isinstance(outcome, BranchSide):
                 return outcome
             base, gradients = outcome
 
-    def line(self, base: _Probe, gradients: list[torch.Tensor]):
+    def line(self, base: _Trial, gradients: list[torch.Tensor]):
         """Search along the gradient from ``base``: the side found or not, or where to
         search next (the base and gradient of a new line)."""
         squared = sum(float(g.square().sum()) for g in gradients)
@@ -302,37 +305,37 @@ class _Search:
         secant = True  # regula falsi in the bracket, until the far side looks saturated
         t = base.margin - target  # the Newton step
         while self.passes < self.budget:
-            probe = self.probe(base, direction, t)
-            if probe.margin is None or (not probe.crossed and probe.margin >= low.margin):
-                cap = _nearer(cap, probe)  # too far along this line: no verdict, or no nearer
-                if probe.margin is None:
-                    self.note_blocked(probe)
-            elif probe.crossed and probe.margin <= -clearance:
-                if probe.margin >= -_NEAR * clearance:
-                    return self.found(probe)
+            trial = self.tried(base, direction, t)
+            if trial.margin is None or (not trial.crossed and trial.margin >= low.margin):
+                cap = _nearer(cap, trial)  # too far along this line: no verdict, or no nearer
+                if trial.margin is None:
+                    self.note_blocked(trial)
+            elif trial.crossed and trial.margin <= -clearance:
+                if trial.margin >= -_NEAR * clearance:
+                    return self.found(trial)
                 secant = secant and high is None
-                high = _nearer(high, probe)
+                high = _nearer(high, trial)
             else:  # nearer the boundary, not beyond it by this line's clearance
-                if probe.crossed and self.passes < self.budget:
+                if trial.crossed and self.passes < self.budget:
                     # The gradient here says how near finite differences come to crossing
                     # back, and where to go on from if they do.
-                    remade = self.linearised(probe)
+                    remade = self.linearised(trial)
                     if remade is not None:
-                        if -probe.margin >= _clearance(remade, self.eps):
-                            return self.found(probe)
-                        return probe, remade
-                slope = (low.margin - probe.margin) / (probe.t - low.t)
-                low = probe
+                        if -trial.margin >= _clearance(remade, self.eps):
+                            return self.found(trial)
+                        return trial, remade
+                slope = (low.margin - trial.margin) / (trial.t - low.t)
+                low = trial
                 if high is None and cap is None:
                     if slope >= _CURVED:
-                        t = probe.t + (probe.margin - target) / slope  # the secant step
+                        t = trial.t + (trial.margin - target) / slope  # the secant step
                         continue
                     if not straight and self.passes < self.budget - 1:
-                        remade = self.linearised(probe)
+                        remade = self.linearised(trial)
                         if remade is not None and _cosine(remade, gradients) < _PARALLEL:
-                            return probe, remade
+                            return trial, remade
                         straight = True
-                    t = 2 * probe.t
+                    t = 2 * trial.t
                     continue
             upper = min((p for p in (high, cap) if p is not None), key=lambda p: p.t)
             if upper.t - low.t <= max(_TIGHT * upper.t, clearance):
@@ -341,7 +344,8 @@ class _Search:
                 # Regula falsi toward the target, kept off the bracket's ends.
                 width = high.t - low.t
                 t = low.t + (low.margin - target) * width / (low.margin - high.margin)
-                t = min(max(t, low.t + width / 8), high.t - width / 8)
+                off = _OFF_THE_ENDS * width
+                t = min(max(t, low.t + off), high.t - off)
             else:
                 t = _bisected(low.t, upper.t, clearance)
         if high is not None:
@@ -350,12 +354,12 @@ class _Search:
             low, f"not found within the budget of {self.budget} forward passes", cap
         )
 
-    def note_blocked(self, probe: _Probe) -> None:
-        """Keep ``probe`` if it is the nearest input the model gave no verdict on."""
-        if self.blocked is None or self.distance(probe.values) < self.distance(self.blocked.values):
-            self.blocked = probe
+    def note_blocked(self, trial: _Trial) -> None:
+        """Keep ``trial`` if it is the nearest input the model gave no verdict on."""
+        if self.blocked is None or self.distance(trial.values) < self.distance(self.blocked.values):
+            self.blocked = trial
 
-    def probe(self, base: _Probe, direction: list[torch.Tensor], t: float) -> _Probe:
+    def tried(self, base: _Trial, direction: list[torch.Tensor], t: float) -> _Trial:
         moved = list(base.values)
         for index, step in zip(self.movable, direction, strict=True):
             moved[index] = base.values[index] + t * step
@@ -364,23 +368,23 @@ class _Search:
             with torch.no_grad():
                 recorded = _record(self.evaluate, moved)
         except Exception as error:  # the model refuses this input: no verdict on it
-            return _Probe(t, moved, no_verdict=_NoVerdict.REFUSED, detail=raised(error))
+            return _Trial(t, moved, no_verdict=_NoVerdict.REFUSED, detail=raised(error))
         for other in recorded:
             if _key(other) == _key(self.branch):
                 if other.margin is None:
-                    return _Probe(t, moved, no_verdict=_NoVerdict.NO_COMPARISON)
+                    return _Trial(t, moved, no_verdict=_NoVerdict.NO_COMPARISON)
                 margin = self.sign * float(other.margin)
                 if not math.isfinite(margin):
                     detail = f"{float(other.margin)}"
-                    return _Probe(t, moved, no_verdict=_NoVerdict.NOT_FINITE, detail=detail)
-                return _Probe(t, moved, margin, other.outcome != self.branch.outcome)
-        return _Probe(t, moved, no_verdict=_NoVerdict.NOT_MADE)
+                    return _Trial(t, moved, no_verdict=_NoVerdict.NOT_FINITE, detail=detail)
+                return _Trial(t, moved, margin, other.outcome != self.branch.outcome)
+        return _Trial(t, moved, no_verdict=_NoVerdict.NOT_MADE)
 
-    def linearised(self, probe: _Probe) -> list[torch.Tensor] | None:
-        """The margin's gradient at ``probe`` (one forward pass and its backward), or
+    def linearised(self, trial: _Trial) -> list[torch.Tensor] | None:
+        """The margin's gradient at ``trial`` (one forward pass and its backward), or
         None where it has none to follow."""
         self.passes += 1
-        leaves = [value.clone().requires_grad_(True) for value in probe.values]
+        leaves = [value.clone().requires_grad_(True) for value in trial.values]
         try:
             with torch.enable_grad():
                 recorded = _record(self.evaluate, leaves)
@@ -392,15 +396,15 @@ class _Search:
                     return None
                 moving = [leaves[i] for i in self.movable]
                 grads = torch.autograd.grad(other.margin, moving, allow_unused=True)
-                gradients = _dense(grads, [probe.values[i] for i in self.movable])
+                gradients = _dense(grads, [trial.values[i] for i in self.movable])
                 squared = sum(float(g.square().sum()) for g in gradients)
                 return gradients if math.isfinite(squared) and squared > 0 else None
         return None
 
-    def found(self, probe: _Probe) -> BranchSide:
-        """The side at ``probe``, unless its inputs are too large to resolve a step of eps."""
-        moved = self.distance(probe.values)
-        resolution = _resolution(probe.values, self.movable, self.eps)
+    def found(self, trial: _Trial) -> BranchSide:
+        """The side at ``trial``, unless its inputs are too large to resolve a step of eps."""
+        moved = self.distance(trial.values)
+        resolution = _resolution(trial.values, self.movable, self.eps)
         if resolution > max(_RESOLUTION, 2 * _resolution(self.values, self.movable, self.eps)):
             reason = (
                 f"its other side, with the inputs moved by {moved:.3g} of their norm, is at "
@@ -409,9 +413,9 @@ class _Search:
                 "check it"
             )
             return self.side(False, moved=moved, reason=reason)
-        return self.side(True, moved=moved, values=probe.values)
+        return self.side(True, moved=moved, values=trial.values)
 
-    def unfound(self, low: _Probe, spent: str, cap: _Probe | None) -> BranchSide:
+    def unfound(self, low: _Trial, spent: str, cap: _Trial | None) -> BranchSide:
         """Why no other side was found: the budget ``spent`` (empty: not), the nearest
         input the model gave no verdict on, or ``cap``, where the margin came no nearer
         its boundary than at ``low``."""
@@ -436,7 +440,7 @@ class _Search:
             )
         return self.side(False, reason="; ".join(reasons))
 
-    def no_verdict(self, blocked: _Probe) -> str:
+    def no_verdict(self, blocked: _Trial) -> str:
         """Why the model says nothing about the decision at ``blocked``."""
         distance = self.distance(blocked.values)
         toward = f"the inputs moved toward its other side by {distance:.3g} of their norm"
@@ -457,8 +461,8 @@ def _clearance(gradients: Sequence[torch.Tensor], eps: float) -> float:
     return _CLEARANCE * eps * max(float(g.abs().max()) for g in gradients)
 
 
-def _nearer(kept: _Probe | None, probe: _Probe) -> _Probe:
-    return probe if kept is None or probe.t < kept.t else kept
+def _nearer(kept: _Trial | None, trial: _Trial) -> _Trial:
+    return trial if kept is None or trial.t < kept.t else kept
 
 
 def _resolution(values: Sequence[torch.Tensor], movable: Sequence[int], eps: float) -> float:
