@@ -128,9 +128,8 @@ def gradcheck(
     the point, a point on the other side of each branch decision the point reaches
     (see :mod:`.branches`); where none is found within ``FORWARD_PASSES`` forward passes
     per decision, the result says why, and that alone is no failure; every side is
-    checked even when the point
-    fails, and the failure raised is the point's (else the first side's) with the
-    others after ``also:``. Options are keyword-only; any
+    checked even when the point fails, and the failure raised is the point's (else the
+    first side's) with the others after ``also:``. Options are keyword-only; any
     other keyword is a ``TypeError``: the forward's keyword arguments go in
     ``forward_kwargs``.
 
