@@ -127,11 +127,11 @@ def gradcheck(
     ``FAST_MODE_ABOVE`` checked elements. ``avoid_boundaries=True`` retries at up to
     ``JITTER_ATTEMPTS`` points moved by seeded noise of relative size ``JITTER_SCALE``
     when the point is on a branch boundary or a kink. ``branches="all"`` checks, besides
-    the point, a nearby point on the other side of each branch decision the point
-    reaches (see :mod:`.branches`); where none is found within the bound, the result
-    says so, and that alone is no failure; every side is checked even when the point
-    fails, and the failure raised is the point's (else the first side's) with the
-    others after ``also:``. Options are keyword-only; any
+    the point, a point on the other side of each branch decision the point reaches
+    (see :mod:`.branches`); where none is found within ``FORWARD_PASSES`` forward passes
+    per decision, the result says why, and that alone is no failure; every side is
+    checked even when the point fails, and the failure raised is the point's (else the
+    first side's) with the others after ``also:``. Options are keyword-only; any
     other keyword is a ``TypeError``: the forward's keyword arguments go in
     ``forward_kwargs``.
 
@@ -264,8 +264,11 @@ def _reported(
     if localize and isinstance(failure, WrongGradient) and failure.order == 1:
         failure = localized(problem, check, failure, None if side is None else side.values)
     if side is not None:
+        which = (
+            "the branch" if side.occurrence == 1 else f"decision #{side.occurrence} of the branch"
+        )
         failure.args = (
-            f"on the other side of the branch at {side.location} ({side.source}): "
+            f"on the other side of {which} at {side.location} ({side.source}): "
             f"{not side.at_point} there, {side.at_point} at the given point; the inputs "
             f"moved by {side.moved:.3g} of their norm:\n{failure}",
         )
