@@ -27,6 +27,7 @@ from .weights import EVALUATION_SEED, random_direction, random_weights, weighted
 __all__ = [
     "DIAGNOSIS_FLOOR",
     "DIAGNOSIS_MULTIPLE",
+    "SECOND_ORDER_FLOAT32_TOLERANCES",
     "SECOND_ORDER_TOLERANCES",
     "SCREENING_FRACTION",
     "STEP_RETRIES",
@@ -47,8 +48,10 @@ DIAGNOSIS_MULTIPLE = 20
 DIAGNOSIS_FLOOR = 64
 # Second order, where the user gives no tolerances: torch's gradgradcheck defaults
 # (atol, rtol). Its outputs are gradients weighted by torch's own random cotangents,
-# whose size the check does not see, so no rounding error is estimated for them.
+# whose size the check does not see, so no rounding error is estimated for them;
+# where an op ran in float32, those of a float32 gradient check.
 SECOND_ORDER_TOLERANCES = (1e-5, 1e-3)
+SECOND_ORDER_FLOAT32_TOLERANCES = (1e-3, 1e-2)
 # When the model raises at a finite-difference input (a solver's assertion), the step
 # shrinks this many times by STEP_SHRINK before the point is reported as uncheckable.
 STEP_RETRIES = 2
@@ -116,46 +119,56 @@ class Check:
         self.budget_end = 0
         return True
 
-    def _measure(self, order: int, outputs: Sequence[torch.Tensor]) -> Tolerances:
-        """The tolerances for these outputs at the point (see :mod:`.tolerances`)."""
-        if order == 2:
-            atol, rtol = SECOND_ORDER_TOLERANCES
-            requested = Requested(
-                self.requested.eps,
-                atol if self.requested.atol is None else self.requested.atol,
-                rtol if self.requested.rtol is None else self.requested.rtol,
-            )
-        else:
-            requested = self.requested
+    def _measure(self, outputs: Sequence[torch.Tensor]) -> Tolerances:
+        """First order: the tolerances for these outputs at the point (:mod:`.tolerances`)."""
         # An op that ran in float32 at the point (or at a probe of an earlier run) sets
         # the arithmetic of the whole check.
         self._loosened = self._loosened or bool(self.problem.narrowed)
-        self.tolerances = tolerances(requested, output_scale(outputs), float32=self._loosened)
+        self.tolerances = tolerances(
+            self.requested, output_scale(outputs), float32=self._loosened
+        )
         self.eps = self.tolerances.eps
         return self.tolerances
 
-    def _measure_slow(self, order: int) -> None:
-        """Slow mode: the outputs at the point give the tolerances; the gradient of a
-        random weighting of them (one backward pass) gives each tensor's sensitivity."""
-        problem = self.problem
-        point = [c.value.detach().requires_grad_() for c in problem.checked]
-        outputs = problem.evaluate(point)
-        kept = [o for o in outputs if o.requires_grad] or list(outputs)
-        measured = self._measure(order, kept)
-        if order == 2:
-            return
-        generator = torch.Generator().manual_seed(EVALUATION_SEED + 2)
-        weights = [random_weights(o, generator, normalized=False) for o in kept]
-        total = weighted_sum(weights, kept)
-        gradients: Sequence[torch.Tensor | None] = [None] * len(point)
-        if isinstance(total, torch.Tensor) and total.requires_grad:
-            gradients = torch.autograd.grad(total, point, allow_unused=True)
+    def _second_order_tolerances(self) -> None:
+        """Second order: the given tolerances, else gradgradcheck's (float32's where an op
+        ran in float32)."""
+        self._loosened = self._loosened or bool(self.problem.narrowed)
+        atol, rtol = SECOND_ORDER_FLOAT32_TOLERANCES if self._loosened else SECOND_ORDER_TOLERANCES
+        given = self.requested
+        requested = Requested(
+            given.eps,
+            atol if given.atol is None else given.atol,
+            rtol if given.rtol is None else given.rtol,
+        )
+        self.tolerances = tolerances(requested, 0.0, float32=self._loosened)
+        self.eps = self.tolerances.eps
+
+    def _measure_point(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        """Slow mode, first order: the outputs at the point, evaluated once for torch's
+        check as well; they give the tolerances."""
+        outputs = self.problem.evaluate(inputs)
+        self._measure([o for o in outputs if o.requires_grad] or list(outputs))
+        return outputs
+
+    def _rows_seen(self, inputs: Sequence[torch.Tensor]) -> tuple[list[list[torch.Tensor]], list]:
+        """Each input's gradients as torch's check computes them (its analytical Jacobian
+        row by row, a unit cotangent each): kept by a hook, to read each tensor's largest
+        Jacobian entry after the check, which its sensitivity is relative to."""
+        rows: list[list[torch.Tensor]] = [[] for _ in inputs]
+        handles = [t.register_hook(seen.append) for t, seen in zip(inputs, rows, strict=True)]
+        return rows, handles
+
+    def _slow_sensitivity(self, rows: list[list[torch.Tensor]]) -> None:
+        measured = self.tolerances
+        defined = [[g for g in seen if g is not None] for seen in rows]
         scales = [
-            float(g.abs().max()) if g is not None and g.numel() else 0.0 for g in gradients
+            float(torch.stack(seen).abs().max()) if seen and seen[0].numel() else 0.0
+            for seen in defined
         ]
         self.sensitivity = sensitivity(
             measured,
-            [c.name for c in problem.checked],
+            [c.name for c in self.problem.checked],
             [(scale, measured.caught(scale)) for scale in scales],
         )
 
@@ -219,16 +232,23 @@ class Check:
         if self.fast:
             function, inputs = self._directional(order, generator)
         else:
-            function = Probes(problem)
             inputs = [c.value.clone().requires_grad_() for c in problem.checked]
         try:
-            self._measure_slow(order)
+            if order == 2:
+                self._second_order_tolerances()
+            else:
+                function = Probes(problem, at_point=self._measure_point(inputs))
+                rows, handles = self._rows_seen(inputs)
             measured = self.tolerances
             options = {"eps": measured.eps, "atol": measured.atol, "rtol": measured.rtol}
             if self.fast or order == 1:
                 torch.autograd.gradcheck(function, inputs, **options)
             else:
                 torch.autograd.gradgradcheck(Probes(problem), inputs, **options)
+            if order == 1:
+                for handle in handles:
+                    handle.remove()
+                self._slow_sensitivity(rows)
         except (GradcheckError, RuntimeError) as error:
             if not isinstance(error, GradcheckError):
                 self._reject_reentrant_checkpoint()
@@ -292,7 +312,7 @@ class Check:
             for o, keep in zip(outputs, kept, strict=True)
         ]
         total = weighted_sum(weights, outputs)
-        measured = self._measure(1, [o for o, keep in zip(outputs, kept, strict=True) if keep])
+        measured = self._measure([o for o, keep in zip(outputs, kept, strict=True) if keep])
         analytical: Sequence[torch.Tensor | None] = [None] * len(point)
         if isinstance(total, torch.Tensor) and total.requires_grad:
             analytical = torch.autograd.grad(total, point, allow_unused=True)
