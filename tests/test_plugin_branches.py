@@ -157,7 +157,7 @@ def test_a_bug_in_the_branch_not_taken_is_caught_only_with_branches_all(plugin_p
     result.stdout.fnmatch_lines(
         [
             f"*branches: models.py:{GATED_GATE}: True at the point, False with the inputs "
-            "moved by * of their norm (* of 32 forward passes)"
+            "moved by * of their norm (* of 32 forward passes)*"
         ]
     )
 

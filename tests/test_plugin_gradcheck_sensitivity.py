@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from {package}.testing.gradcheck import NonDifferentiablePoint, WrongGradient
 
-CAUGHT = re.compile(r"a relative error of (1|1\\.\\d)%, [\\d.e+]+ times what the check resolves")
+CAUGHT = re.compile(r"a relative error of (0\\.9\\d|1|1\\.\\d)%, [\\d.e+]+ times what the check resolves")
 CAUGHT_TENTH = re.compile(r"a relative error of 0\\.1%, [\\d.e+]+ times what the check resolves")
 
 
@@ -115,9 +115,11 @@ def test_a_llama_decoder_through_inputs_embeds(gradcheck):
     model = llama()
     embeddings = torch.randn(1, 5, 16, requires_grad=True)
     result = gradcheck(lambda e: model(inputs_embeds=e).last_hidden_state, embeddings)
-    assert result.fast and result.sensitivity.worst.relative < 0.01
+    assert result.fast
+    reached = [t for t in result.sensitivity.tensors if t.gradient_scale]  # not embed_tokens
+    assert len(reached) == 11 and all(t.relative < 0.01 for t in reached), result.sensitivity
     model.layers[0].mlp.down_proj.weight.register_hook(lambda grad: 1.01 * grad)
-    with pytest.raises(WrongGradient, match="parameter layers.0.mlp.down_proj.weight"):
+    with pytest.raises(WrongGradient, match="of parameter model.layers.0.mlp.down_proj.weight"):
         gradcheck(lambda e: model(inputs_embeds=e).last_hidden_state, embeddings)
 
 
@@ -156,9 +158,11 @@ def test_torch_geometric_and_torchdiffeq(gradcheck):
     times = torch.tensor([0.0, 0.5, 1.0])
     y0 = torch.randn(3, 2, requires_grad=True)
 
+    # The solver's step sizes depend on y0 outside autograd, by about its tolerance: at
+    # rtol=1e-7 that shows at this resolution, at 1e-10 it does not.
     def solve(y0, factor=1.0):
         return odeint(lambda t, y: field(Scaled.apply(y, factor)), y0, times, method="dopri5",
-                      rtol=1e-7, atol=1e-9)
+                      rtol=1e-10, atol=1e-12)
 
     gradcheck(solve, y0)
     with pytest.raises(WrongGradient, match=CAUGHT):
@@ -216,4 +220,4 @@ def test_non_smooth_points_are_what_they_are(gradcheck):
 
 
 def test_planted_errors_of_one_and_a_tenth_of_a_percent(plugin_pytester):
-    check_session(plugin_pytester, SENSITIVITY, passed=18, expected={})
+    check_session(plugin_pytester, SENSITIVITY, passed=16, expected={})
