@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from functools import partial
 
 from baking import use_generated_src
 
@@ -91,8 +92,12 @@ def models():
         field = nn.Sequential(nn.Linear(2, 8), nn.Tanh(), nn.Linear(8, 2))
         times = torch.tensor([0.0, 0.5, 1.0])
         y0 = torch.randn(3, 2, requires_grad=True)
+
+        def solve(y):
+            return odeint(lambda t, y: field(y), y, times, method="dopri5", rtol=1e-7, atol=1e-9)
+
         return (
-            lambda y: odeint(lambda t, y: field(y), y, times, method="dopri5", rtol=1e-7, atol=1e-9),
+            solve,
             (y0,),
             ("0.weight", field),
             field[0],
@@ -221,8 +226,9 @@ def main() -> int:
         norm = float(torch.autograd.grad(function(*inputs).sum(), inputs)[0].norm())
         passed, _ = verdict(gradcheck, function, inputs)
         torch.manual_seed(0)
-        ok, _ = verdict(gradcheck, *planted(lambda: mlp(scale), "input Function", 1.01))
-        print(f"{scale:<24g}{norm:>14.2g}{'pass' if passed else 'FAIL':>6}{'yes' if not ok else 'no':>11}")
+        ok, _ = verdict(gradcheck, *planted(partial(mlp, scale), "input Function", 1.01))
+        verdicts = f"{'pass' if passed else 'FAIL':>6}{'yes' if not ok else 'no':>11}"
+        print(f"{scale:<24g}{norm:>14.2g}{verdicts}")
     return 0
 
 

@@ -22,8 +22,8 @@ __all__ = [
     "NonDifferentiablePoint",
     "OutputJump",
     "RefusedProbe",
-    "SourceKind",
     "Sensitivity",
+    "SourceKind",
     "TensorSensitivity",
     "Tolerances",
     "WrongGradient",
@@ -188,8 +188,7 @@ class Tolerances:
             atol = f"atol={self.atol:.2g}"
         else:
             atol = (
-                f"atol={self.atol:.2g} from the rounding of outputs up to "
-                f"{self.output_scale:.2g}"
+                f"atol={self.atol:.2g} from the rounding of outputs up to {self.output_scale:.2g}"
             )
         rtol = f"rtol={self.rtol:g}"
         return f"{self.dtype}, eps={self.eps:g}, {atol}, {rtol}"

@@ -27,9 +27,9 @@ from .weights import EVALUATION_SEED, random_direction, random_weights, weighted
 __all__ = [
     "DIAGNOSIS_FLOOR",
     "DIAGNOSIS_MULTIPLE",
+    "SCREENING_FRACTION",
     "SECOND_ORDER_FLOAT32_TOLERANCES",
     "SECOND_ORDER_TOLERANCES",
-    "SCREENING_FRACTION",
     "STEP_RETRIES",
     "STEP_SHRINK",
     "Check",
@@ -56,6 +56,7 @@ SECOND_ORDER_FLOAT32_TOLERANCES = (1e-3, 1e-2)
 # shrinks this many times by STEP_SHRINK before the point is reported as uncheckable.
 STEP_RETRIES = 2
 STEP_SHRINK = 10.0
+
 
 class Check:
     """One check of a problem's gradients at its point, in fast or slow mode.
@@ -124,9 +125,7 @@ class Check:
         # An op that ran in float32 at the point (or at a probe of an earlier run) sets
         # the arithmetic of the whole check.
         self._loosened = self._loosened or bool(self.problem.narrowed)
-        self.tolerances = tolerances(
-            self.requested, output_scale(outputs), float32=self._loosened
-        )
+        self.tolerances = tolerances(self.requested, output_scale(outputs), float32=self._loosened)
         self.eps = self.tolerances.eps
         return self.tolerances
 

@@ -28,15 +28,15 @@ from .results import Sensitivity, TensorSensitivity, Tolerances
 
 __all__ = [
     "CONFIRMATION_MARGIN",
-    "FLOAT32_STEP",
     "FLOAT32_RTOL",
+    "FLOAT32_STEP",
     "RELATIVE_FLOOR",
     "ROUNDING_ULPS",
     "SETTLED_FRACTION",
     "Requested",
+    "beyond_own_error",
     "output_scale",
     "sensitivity",
-    "beyond_own_error",
     "times_allowed",
     "tolerances",
 ]
