@@ -827,8 +827,10 @@ def gradcheck(request: pytest.FixtureRequest) -> Callable[..., Any]:
     branch boundary, a kink or a jump is said to be one instead. Options are
     keyword-only; the forward's keyword arguments go in ``forward_kwargs``. With
     ``-v`` each check writes one line: what was checked, in which mode, where the
-    forward's lower-precision dtypes were kept in float64, and which branch sides
-    were checked. See :func:`.gradcheck.gradcheck` for the options.
+    forward's lower-precision dtypes were kept in float64, which branch sides were
+    checked, and its sensitivity (the smallest relative error of each tensor's
+    gradient it catches, with tolerances from the arithmetic unless ``atol``/``rtol``
+    are given). See :func:`.gradcheck.gradcheck` for the options.
     """
     from .gradcheck import gradcheck as check
 

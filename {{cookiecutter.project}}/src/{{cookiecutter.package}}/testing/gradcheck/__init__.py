@@ -3,16 +3,18 @@
 ``gradcheck(model, x)`` compares the gradients autograd computes with finite
 differences, for the inputs that require grad and every trainable parameter of the
 modules the callable reaches (:mod:`.calls`). It computes in float64 end to end
-(:mod:`.float64`; an op without a float64 kernel through an equivalent, else in float32
-with float32's tolerances): the modules hold float64 copies of their parameters and
+(:mod:`.float64`; an op without a float64 kernel through an equivalent, else in float32,
+and the check then in float32's arithmetic): the modules hold float64 copies of their parameters and
 buffers while it runs and get their own tensors back afterwards, so the model and
 tensors passed in keep their dtype, values, device, ``requires_grad``, ``.grad`` and
 hooks. Parameter gradient hooks run on the copies: they are part of the checked
 gradient. Outputs are taken as torch's check takes them (conjugate views resolved,
 complex ones as real pairs, those autograd does not connect to the checked tensors
 left out), empty tensors anywhere. Slow mode and second order use
-``torch.autograd.gradcheck``/``gradgradcheck``; when a check fails, this module finds
-the element that is wrong and says why:
+``torch.autograd.gradcheck``/``gradgradcheck``, with tolerances from the arithmetic of
+the finite differences unless given (:mod:`.tolerances`), so that a gradient 1% wrong
+is caught whatever its scale, and every result says how small an error it could have
+missed; when a check fails, this module finds the element that is wrong and says why:
 
 - a wrong gradient: where it enters (a gradient hook, a custom autograd Function or
   the smallest submodule wrong on its own, each checked on its own at the inputs it
@@ -42,7 +44,8 @@ evaluations of the check itself (plus ``DIAGNOSIS_FLOOR``).
 The package's rooms, imports running downwards: this module (the entry point, the
 other sides of branches), :mod:`.localization` (where a wrong gradient enters),
 :mod:`.screen` (one check, fast or slow), :mod:`.diagnosis` (which element and why),
-:mod:`.problem` (the model as a function of float64 tensors), :mod:`.weights` (the
+:mod:`.problem` (the model as a function of float64 tensors), :mod:`.tolerances` (the
+tolerances and the sensitivity they leave), :mod:`.weights` (the
 check's random weights and directions), :mod:`.results` (failures and the result).
 """
 
@@ -124,9 +127,13 @@ def gradcheck(
     ``params``. Parameter gradient hooks are part of the checked gradient.
     ``gradgrad=True`` checks second-order gradients as well. ``fast`` forces fast mode
     (``True``) or slow mode (``False``); ``None`` picks fast mode above
-    ``FAST_MODE_ABOVE`` checked elements. ``avoid_boundaries=True`` retries at up to
-    ``JITTER_ATTEMPTS`` points moved by seeded noise of relative size ``JITTER_SCALE``
-    when the point is on a branch boundary or a kink. ``branches="all"`` checks, besides
+    ``FAST_MODE_ABOVE`` checked elements. ``eps`` is the finite-difference step;
+    ``atol``/``rtol`` the tolerances, ``None`` for "from the arithmetic" (see
+    :mod:`.tolerances`): the result's ``sensitivity`` says, per tensor, the smallest
+    relative error of its gradient the first-order check catches.
+    ``avoid_boundaries=True`` retries at up to ``JITTER_ATTEMPTS`` points moved by
+    seeded noise of relative size ``JITTER_SCALE`` when the point is on a branch
+    boundary or a kink. ``branches="all"`` checks, besides
     the point, a point on the other side of each branch decision the point reaches
     (see :mod:`.branches`); where none is found within ``FORWARD_PASSES`` forward passes
     per decision, the result says why, and that alone is no failure; every side is
