@@ -29,14 +29,15 @@ def models():
     import torch
 
     sys.path.insert(0, str(TEMPLATE_DIR / "tests"))
-    import test_plugin_gradcheck
+    import gradcheck_sessions
     import test_plugin_gradcheck_localize
+    from conftest import DEFAULT_PACKAGE
 
     helpers = types.ModuleType("helpers")
-    exec(test_plugin_gradcheck.HELPERS, helpers.__dict__)
+    exec(gradcheck_sessions.HELPERS, helpers.__dict__)
     sys.modules["helpers"] = helpers  # what the planted models import
     planted = types.ModuleType("planted")
-    exec(test_plugin_gradcheck_localize.PLANTED, planted.__dict__)
+    exec(test_plugin_gradcheck_localize.PLANTED.format(package=DEFAULT_PACKAGE), planted.__dict__)
 
     def encoder(size, batch):
         def build(bug):
