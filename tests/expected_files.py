@@ -76,6 +76,7 @@ BASE_FILES = frozenset(
         "src/{package}/testing/gradcheck/problem.py",
         "src/{package}/testing/gradcheck/results.py",
         "src/{package}/testing/gradcheck/screen.py",
+        "src/{package}/testing/gradcheck/tolerances.py",
         "src/{package}/testing/gradcheck/weights.py",
         "src/{package}/testing/naming.py",
         "src/{package}/testing/options.py",

@@ -199,6 +199,8 @@ EXPECTED_LIBRARY_FAILURES = {
         "(test_session.py:*) of parameter experts.down_proj",
         "E*of 512 elements of parameter experts.down_proj are wrong; in all of them the "
         "analytical gradient is 2 times the numerical one",
+        "E*computed in float64 through an equivalent where no float64 kernel exists: "
+        "torch._grouped_mm as a float64 matmul per group (at *integrations/moe.py:*)*",
         "E*checked MixtralSparseMoeBlock (float64, eps=1e-06, atol=* from the rounding of "
         "outputs up to *, rtol=0.0001)*",
     ],

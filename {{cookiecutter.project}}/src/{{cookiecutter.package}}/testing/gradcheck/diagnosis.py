@@ -169,6 +169,7 @@ class Diagnosis:
         self.generator = torch.Generator().manual_seed(EVALUATION_SEED + 1)
         self.budget = settings.budget
         self.searched: set[int] = set()  # tensors whose every element was examined
+        self.settled = 0  # elements that agree once their own finite-difference error is allowed
         self.point = [c.value for c in self.problem.checked]
         self.weights: list[torch.Tensor] = []
         values = [v.detach().requires_grad_() for v in self.point]
@@ -424,6 +425,7 @@ class Diagnosis:
                 analytical, numerical, half, self.settings.tolerances
             )
             if float(beyond.max()) <= 1.0:
+                self.settled += 1
                 return None  # within the finite differences' own error
             finding.row = int(beyond.argmax())
             finding.numerical = float(numerical[finding.row])
@@ -487,6 +489,15 @@ class Diagnosis:
                 "computed in float64 where the forward asks for less: "
                 + ", ".join(str(w) for w in self.problem.widened.values())
             )
+        for ops, how in (
+            (self.problem.substituted, "in float64 through an equivalent"),
+            (self.problem.narrowed, "in float32"),
+        ):
+            if ops:
+                lines.append(
+                    f"computed {how} where no float64 kernel exists: "
+                    + ", ".join(str(op) for op in ops.values())
+                )
         mode = mode_text(c.fast, c.reason)
         if c.fast:
             mode += "; the failing tensor was then rechecked element by element"

@@ -216,6 +216,9 @@ class Sensitivity:
 
     tolerances: Tolerances
     tensors: tuple[TensorSensitivity, ...] = ()
+    # Elements (fast mode: directions) whose plain central difference disagreed and that
+    # agreed once estimated with half the step too, their own error allowed.
+    settled: int = 0
 
     @property
     def worst(self) -> TensorSensitivity | None:
@@ -248,6 +251,11 @@ class Sensitivity:
             names = ", ".join(zero[:3]) + (f" and {len(zero) - 3} more" if len(zero) > 3 else "")
             text += f"{'; ' if text else ''}gradient 0 at the point in {names}: an error above "
             text += "atol caught there"
+        if self.settled:
+            text += (
+                f"; {self.settled} element(s) agreed only with half the step as well, their "
+                f"finite differences' own error allowed (a function that curves within the step)"
+            )
         return f"sensitivity: {text} ({self.tolerances})"
 
 

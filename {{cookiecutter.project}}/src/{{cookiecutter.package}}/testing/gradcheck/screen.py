@@ -158,7 +158,7 @@ class Check:
         handles = [t.register_hook(seen.append) for t, seen in zip(inputs, rows, strict=True)]
         return rows, handles
 
-    def _slow_sensitivity(self, rows: list[list[torch.Tensor]]) -> None:
+    def _slow_sensitivity(self, rows: list[list[torch.Tensor]], settled: int = 0) -> None:
         measured = self.tolerances
         defined = [[g for g in seen if g is not None] for seen in rows]
         scales = [
@@ -169,6 +169,7 @@ class Check:
             measured,
             [c.name for c in self.problem.checked],
             [(scale, measured.caught(scale)) for scale in scales],
+            settled,
         )
 
     def _shrink_step(self, refused: ProbeRefused) -> None:
@@ -255,9 +256,12 @@ class Check:
                 return self._run(order)
             if not isinstance(error, GradcheckError):
                 raise
-            failure = self._diagnosis(order, str(error)).failure()
+            diagnosis = self._diagnosis(order, str(error))
+            failure = diagnosis.failure()
             if failure is not None:
                 raise failure from None
+            if order == 1:  # every element agrees within its own finite differences' error
+                self._slow_sensitivity(rows, settled=diagnosis.settled)
         except NoFloatingOutput as error:
             raise TypeError(str(error)) from None
         except CannotStayFloat64 as error:
@@ -315,7 +319,7 @@ class Check:
         analytical: Sequence[torch.Tensor | None] = [None] * len(point)
         if isinstance(total, torch.Tensor) and total.requires_grad:
             analytical = torch.autograd.grad(total, point, allow_unused=True)
-        failed, flagged, caught = [], [], []
+        failed, flagged, caught, settled = [], [], [], 0
         for index, (checked, gradient) in enumerate(zip(problem.checked, analytical, strict=True)):
             largest = float(gradient.abs().max()) if gradient is not None and checked.numel else 0.0
             if not checked.numel:
@@ -337,9 +341,11 @@ class Check:
                     index, direction, weights, point, numerical, along
                 ):
                     failed.append(index)
+                else:
+                    settled += 1
             elif gradient is not None and difference > screened:
                 flagged.append(index)
-        self.sensitivity = sensitivity(measured, [c.name for c in problem.checked], caught)
+        self.sensitivity = sensitivity(measured, [c.name for c in problem.checked], caught, settled)
         if (failed or flagged) and self._widen_from_now_on():
             return self._screen(torch.Generator().manual_seed(EVALUATION_SEED))
         if failed:

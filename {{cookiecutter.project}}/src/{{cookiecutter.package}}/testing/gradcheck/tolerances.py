@@ -144,13 +144,18 @@ def output_scale(outputs: Sequence[torch.Tensor]) -> float:
 
 
 def sensitivity(
-    tolerances: Tolerances, names: Sequence[str], caught: Sequence[tuple[float, float]]
+    tolerances: Tolerances,
+    names: Sequence[str],
+    caught: Sequence[tuple[float, float]],
+    settled: int = 0,
 ) -> Sensitivity:
-    """Per tensor (``names``), ``(gradient scale, smallest relative error caught)``."""
+    """Per tensor (``names``), ``(gradient scale, smallest relative error caught)``;
+    ``settled`` elements (or directions) agreed only once their own error was allowed."""
     return Sensitivity(
         tolerances=tolerances,
         tensors=tuple(
             TensorSensitivity(name, scale, relative)
             for name, (scale, relative) in zip(names, caught, strict=True)
         ),
+        settled=settled,
     )
