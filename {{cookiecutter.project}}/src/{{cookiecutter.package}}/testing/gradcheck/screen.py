@@ -350,7 +350,10 @@ class Check:
             return self._screen(torch.Generator().manual_seed(EVALUATION_SEED))
         if failed:
             message = f"Jacobian mismatch for output 0 with respect to input {failed[0]}"
-            raise self._diagnosis(1, message, suspects=failed + flagged).failure()
+            failure = self._diagnosis(1, message, suspects=failed + flagged).failure()
+            if failure is not None:
+                raise failure
+            return  # every element of the failing tensors agrees within its own error
         if flagged:
             wrong = self._diagnosis(1, "", suspects=flagged).wrong_in(flagged)
             if wrong is not None:
