@@ -66,9 +66,12 @@ def _program(name: str) -> str:
 def first_job_id(taken: dict[str, int]) -> int:
     """A first job id whose torchrun rendezvous port (launch's 20000 + id % 10000) is
     free, so that clusters running at the same time (pytest-xdist workers, CI jobs on
-    one machine) give their jobs different ports."""
+    one machine) give their jobs different ports. Drawn from the system's randomness:
+    Python's ``random`` is seeded alike in every xdist worker, and two workers drawing
+    the same first id gave their jobs the same port (a rendezvous store that one job's
+    torchrun could not connect to)."""
     while True:
-        job_id = random.randrange(1, 9000)
+        job_id = random.SystemRandom().randrange(1, 9000)
         port = 20000 + job_id
         if port in taken.values():
             continue

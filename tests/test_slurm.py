@@ -62,9 +62,6 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[slurm_cluster.
 # or by the job itself near its time limit: its batch shell gets SIGUSR1 from
 # --signal=B:USR1@SECONDS (as `scancel --batch --signal=USR1` sends it, or SLURM at the
 # real time limit: no command), stops train and then runs `scontrol requeue`.
-# Seconds to wait for each state of a requeued job (see requeued): a hang still fails.
-STATE_TIMEOUT = 420
-
 REQUEUES = {
     "scontrol-requeue": ("scontrol", "requeue"),
     "near-time-limit": ("scancel", "--batch", "--signal=USR1"),
@@ -185,12 +182,8 @@ def requeued(
         cluster.run(*command, str(job_id))
     seconds = {}
     for state in ("PENDING", "RUNNING", "COMPLETED"):
-        # The resumed attempt starts torchrun on both "nodes" again and trains to the end:
-        # on a 2-core machine running the other tests beside it, that has taken over 180 s.
         cluster.wait_for(
-            f"job {job_id} {state}",
-            lambda state=state: cluster.job_state(job_id) == state,
-            STATE_TIMEOUT,
+            f"job {job_id} {state}", lambda state=state: cluster.job_state(job_id) == state, 180
         )
         seconds[state] = round(time.monotonic() - requeue, 1)
         if state == "PENDING":  # the first attempt is over, the second not started
