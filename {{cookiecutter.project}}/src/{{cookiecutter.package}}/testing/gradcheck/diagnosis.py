@@ -35,6 +35,7 @@ from .results import (
     WrongGradient,
     mode_text,
     percent,
+    relative_error,
 )
 from .tolerances import beyond_own_error, times_allowed
 from .weights import EVALUATION_SEED, random_direction, random_weights
@@ -117,7 +118,7 @@ def _moved_numbers(a: DecisionLog, b: DecisionLog) -> list[tuple[Decision, Decis
 def _relative_text(numerical: float, analytical: float) -> str:
     if numerical == 0.0:
         return "the derivative is 0"
-    return f"a relative error of {percent(abs(analytical - numerical) / abs(numerical))}"
+    return f"a relative error of {percent(relative_error(numerical, analytical))}"
 
 
 class _FindingKind(enum.Enum):

@@ -28,6 +28,8 @@ __all__ = [
     "Tolerances",
     "WrongGradient",
     "mode_text",
+    "percent",
+    "relative_error",
 ]
 
 
@@ -107,8 +109,7 @@ class WrongGradient(GradcheckFailure):
     @property
     def relative_error(self) -> float:
         """``|analytical - numerical| / |numerical|`` (``inf`` where the derivative is 0)."""
-        difference = abs(self.analytical - self.numerical)
-        return difference / abs(self.numerical) if self.numerical else float("inf")
+        return relative_error(self.numerical, self.analytical)
 
     @property
     def beyond(self) -> float:
@@ -257,6 +258,12 @@ class Sensitivity:
                 f"finite differences' own error allowed (a function that curves within the step)"
             )
         return f"sensitivity: {text} ({self.tolerances})"
+
+
+def relative_error(numerical: float, analytical: float) -> float:
+    """``|analytical - numerical| / |numerical|`` (``inf`` where the derivative is 0)."""
+    difference = abs(analytical - numerical)
+    return difference / abs(numerical) if numerical else float("inf")
 
 
 def percent(relative: float) -> str:

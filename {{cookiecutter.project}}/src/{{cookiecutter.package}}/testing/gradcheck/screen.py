@@ -69,7 +69,6 @@ class Check:
     def __init__(self, problem: Problem, *, fast: bool, reason: str, requested: Requested) -> None:
         self.problem, self.fast, self.reason = problem, fast, reason
         self.requested = requested
-        self.eps = requested.eps
         self.tolerances = tolerances(requested, 0.0, float32=False)
         # The first order's sensitivity at the point, measured with its tolerances.
         self.sensitivity: Sensitivity | None = None
@@ -80,6 +79,11 @@ class Check:
         # The evaluations the check itself made: the diagnosis is bounded by a multiple.
         self.spent = 0
         self.budget_end = 0
+
+    @property
+    def eps(self) -> float:
+        """The step of the current run (the requested one, float32's where an op ran in it)."""
+        return self.tolerances.eps
 
     def run(self, order: int) -> None:
         __tracebackhide__ = True
@@ -126,7 +130,6 @@ class Check:
         # the arithmetic of the whole check.
         self._loosened = self._loosened or bool(self.problem.narrowed)
         self.tolerances = tolerances(self.requested, output_scale(outputs), float32=self._loosened)
-        self.eps = self.tolerances.eps
         return self.tolerances
 
     def _second_order_tolerances(self) -> None:
@@ -141,7 +144,6 @@ class Check:
             rtol if given.rtol is None else given.rtol,
         )
         self.tolerances = tolerances(requested, 0.0, float32=self._loosened)
-        self.eps = self.tolerances.eps
 
     def _measure_point(self, inputs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         """Slow mode, first order: the outputs at the point, evaluated once for torch's
@@ -183,11 +185,10 @@ class Check:
         self.requested = Requested(
             self.requested.eps / STEP_SHRINK, self.requested.atol, self.requested.rtol
         )
-        self.eps = self.requested.eps
         self.budget_end = 0
         self.refused.append(
             f"the model raised at {refused.probe} ({refused.what}): checked with "
-            f"eps={self.eps:g} instead"
+            f"eps={self.requested.eps:g} instead"
         )
 
     def _refused_message(self) -> str:
