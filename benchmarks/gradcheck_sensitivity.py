@@ -2,7 +2,8 @@
 
 Small random configurations of transformers' Mixtral MoE block (eager and grouped-mm
 experts) and Llama decoder (through ``inputs_embeds``), a torch-geometric GCN layer, a
-torchdiffeq ODE, a user-style adaptive-computation model and an MLP at std-0.02 init.
+torchdiffeq ODE, a user-style adaptive-computation model and an MLP at std-0.02 init
+(the Mixtral, Llama, ACT and MLP models are those of the tests' sensitivity session).
 Each is checked as it is (must pass), then with a relative error planted three ways:
 
 - ``input Function``: a custom autograd Function at the input whose backward scales;
@@ -24,52 +25,43 @@ Run it with ``--src`` of a project generated before this version for the figures
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+import types
 from functools import partial
 
-from baking import use_generated_src
+from baking import TEMPLATE_DIR, use_generated_src
 
 FACTORS = (1.01, 1.001)
 SCALES = (1e-8, 1e-6, 1e-4, 1e-2, 1.0, 1e2, 1e4)
 
 
-def models():
+def session():
+    """The tests' sensitivity session (``tests/test_plugin_gradcheck_sensitivity.py``) as a
+    module: its models, the configurations the tests check."""
+    sys.path.insert(0, str(TEMPLATE_DIR / "tests"))
+    import test_plugin_gradcheck_sensitivity
+    from conftest import DEFAULT_PACKAGE
+
+    module = types.ModuleType("sensitivity_session")
+    source = test_plugin_gradcheck_sensitivity.SENSITIVITY.format(package=DEFAULT_PACKAGE)
+    exec(source, module.__dict__)
+    return module
+
+
+def models(tested):
     """``name: build()``; ``build`` returns ``(function, inputs, parameter, submodule)``:
     the parameter to hook and the submodule whose output gets the planted Function."""
     import torch
     from torch import nn
 
-    def initialised(module, std=0.02):
-        with torch.no_grad():
-            for parameter in module.parameters():
-                parameter.normal_(0, std)
-        return module
-
     def mixtral(experts):
-        from transformers import MixtralConfig
-        from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-
-        config = MixtralConfig(
-            hidden_size=8, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2
-        )
-        config._experts_implementation = experts
-        block = initialised(MixtralSparseMoeBlock(config))
-
-        def forward(x):
-            out = block(x)
-            return out[0] if isinstance(out, tuple) else out
-
+        block = tested.moe(experts)
         x = torch.randn(1, 5, 8, requires_grad=True)
-        return forward, (x,), ("experts.down_proj", block), block.experts
+        return block, (x,), ("experts.down_proj", block), block.experts
 
     def llama():
-        from transformers import LlamaConfig, LlamaModel
-
-        config = LlamaConfig(
-            vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-            num_attention_heads=2, num_key_value_heads=1,
-        )  # fmt: skip
-        model = LlamaModel(config)  # std 0.02 (config.initializer_range)
+        model = tested.llama()
         x = torch.randn(1, 5, 16, requires_grad=True)
         return (
             lambda e: model(inputs_embeds=e).last_hidden_state,
@@ -96,39 +88,14 @@ def models():
         def solve(y):
             return odeint(lambda t, y: field(y), y, times, method="dopri5", rtol=1e-7, atol=1e-9)
 
-        return (
-            solve,
-            (y0,),
-            ("0.weight", field),
-            field[0],
-        )
-
-    class AdaptiveComputation(nn.Module):
-        """Graves' ACT: a cell repeated until the cumulative halting probability passes
-        0.99, at most 10 steps."""
-
-        def __init__(self):
-            super().__init__()
-            self.cell = nn.Linear(6, 6)
-            self.halt = nn.Linear(6, 1)
-
-        def forward(self, x):
-            total, state, out = 0.0, x, torch.zeros_like(x)
-            for _ in range(10):
-                state = torch.tanh(self.cell(state))
-                p = torch.sigmoid(self.halt(state)).mean()
-                out = out + p * state
-                total = total + p
-                if total > 0.99:
-                    break
-            return out
+        return solve, (y0,), ("0.weight", field), field[0]
 
     def act():
-        model = AdaptiveComputation()
+        model = tested.AdaptiveComputation()
         return model, (torch.randn(2, 6, requires_grad=True),), ("cell.weight", model), model.cell
 
     def mlp(scale=1.0):
-        model = initialised(nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)))
+        model = tested.mlp()
         x = torch.randn(3, 8, requires_grad=True)
         return (lambda x: scale * model(x)), (x,), ("2.weight", model), model[0]
 
@@ -143,25 +110,15 @@ def models():
     }, mlp
 
 
-def planted(build, how: str, factor: float):
-    """``build``'s function with ``factor`` planted ``how``."""
-    import torch
-
-    class Scaled(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx, grad):
-            return factor * grad
-
+def planted(build, how: str, factor: float, scaled):
+    """``build``'s function with ``factor`` planted ``how``; ``scaled`` is the tests' identity
+    Function whose backward scales by its second argument."""
     function, inputs, (name, owner), submodule = build()
     if how == "input Function":
         original = function
 
         def function(x, *rest):
-            return original(Scaled.apply(x), *rest)
+            return original(scaled.apply(x, factor), *rest)
 
     elif how == "parameter hook":
         owner.get_parameter(name).register_hook(lambda grad: factor * grad)
@@ -169,8 +126,8 @@ def planted(build, how: str, factor: float):
 
         def through_scaled(module, args, out):
             if isinstance(out, tuple):
-                return (Scaled.apply(out[0]), *out[1:])
-            return Scaled.apply(out)
+                return (scaled.apply(out[0], factor), *out[1:])
+            return scaled.apply(out, factor)
 
         submodule.register_forward_hook(through_scaled)
     return function, inputs
@@ -199,7 +156,8 @@ def main() -> int:
 
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
-    builds, mlp = models()
+    tested = session()
+    builds, mlp = models(tested)
     print(f"{'model':<40}{'good':>6}{'1% caught':>11}{'0.1% caught':>13}  sensitivity, seconds")
     for name, build in builds.items():
         torch.manual_seed(0)
@@ -211,7 +169,7 @@ def main() -> int:
             count = 0
             for how in PLANTS:
                 torch.manual_seed(0)
-                ok, _ = verdict(gradcheck, *planted(build, how, factor))
+                ok, _ = verdict(gradcheck, *planted(build, how, factor, tested.Scaled))
                 count += not ok
             caught[factor] = count
         sensitivity = line.split("sensitivity: ")[-1][:70] if passed else line[:70]
@@ -226,7 +184,9 @@ def main() -> int:
         norm = float(torch.autograd.grad(function(*inputs).sum(), inputs)[0].norm())
         passed, _ = verdict(gradcheck, function, inputs)
         torch.manual_seed(0)
-        ok, _ = verdict(gradcheck, *planted(partial(mlp, scale), "input Function", 1.01))
+        ok, _ = verdict(
+            gradcheck, *planted(partial(mlp, scale), "input Function", 1.01, tested.Scaled)
+        )
         verdicts = f"{'pass' if passed else 'FAIL':>6}{'yes' if not ok else 'no':>11}"
         print(f"{scale:<24g}{norm:>14.2g}{verdicts}")
     return 0
