@@ -15,6 +15,7 @@ and the ``dynamic_shapes`` that accept it.
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import io
 import re
@@ -26,15 +27,25 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import control_flow, options, torch_logs
+from . import control_flow, data_dependence, options, torch_logs
 from .calls import forward_kwargs_of, input_sets, reject_unknown_keywords
 from .comparison import close_mismatch
-from .failures import CheckFailure, quoted
+from .failures import CheckFailure
 from .frames import CallPath, Origin, call_path, origin, stack_frames, traceback_frames
 from .naming import describe_callable
-from .rewrites import rewrite
+from .rewrites import Rewrite, function_rewrites, rewrite
 from .subject import FunctionModule, Subject
+from .torch_text import in_words
 from .trees import named_leaves
+from .verified_rewrites import (
+    Setting,
+    Varied,
+    Verdict,
+    Verification,
+    Watch,
+    library_settings,
+    verify,
+)
 
 __all__ = [
     "DraftGuard",
@@ -65,11 +76,13 @@ class ExportCheckFailure(CheckFailure):
 
 
 class ExportBlocked(ExportCheckFailure):
-    """``torch.export`` refused the model at ``location``: where the decision was made.
+    """``torch.export`` refused the model: ``location`` is the cause, the line whose op
+    made the data-dependent size (``source``) or, when no size is involved, the line of
+    the decision; ``used_at`` is the line torch stopped at, which used it.
 
     ``path`` is the user's way there (the user's line, then the library lines under
-    it), ``decision`` what the eager run decided there, ``rewrite`` the rewrite that
-    exports (``None`` when the line is a library's), ``draft`` what
+    it), ``decision`` what the eager run decided there, ``verifications`` each rewrite
+    the check built, exported and compared with eager, ``draft`` what
     ``torch.export.draft_export`` met on the same inputs.
     """
 
@@ -78,15 +91,26 @@ class ExportBlocked(ExportCheckFailure):
         message: str,
         *,
         location: control_flow.Location | None,
+        used_at: control_flow.Location | None,
+        source: data_dependence.Source | None,
         path: CallPath,
         decision: control_flow.Decision | None,
-        rewrite: str | None,
+        verifications: tuple[Verification, ...],
         draft: DraftReport,
         torch_error: BaseException,
     ) -> None:
         super().__init__(message, torch_error)
-        self.location, self.path, self.decision = location, path, decision
-        self.rewrite, self.draft = rewrite, draft
+        self.location, self.used_at, self.source = location, used_at, source
+        self.path, self.decision, self.draft = path, decision, draft
+        self.verifications = verifications
+
+    @property
+    def rewrite(self) -> Verification | None:
+        """The rewrite the check built, exported and found equal to eager, if any."""
+        return next(
+            (v for v in self.verifications if v.verdict in (Verdict.VERIFIED, Verdict.ONE_SIDE)),
+            None,
+        )
 
 
 class ExportMismatch(ExportCheckFailure):
@@ -134,8 +158,8 @@ class ShapeGuard:
 
 @dataclass(frozen=True)
 class DraftGuard:
-    """A data-dependent guard ``torch.export.draft_export`` met: torch's ``expression``,
-    how often, and where."""
+    """A data-dependent guard ``torch.export.draft_export`` met: torch's ``expression``
+    (kept for programs, not shown: it is in torch's symbols), how often, and where."""
 
     path: CallPath
     expression: str
@@ -145,7 +169,7 @@ class DraftGuard:
         where = self.path.innermost
         line = f"{where}: `{where.source}`: " if where else ""
         times = f" ({self.occurrences} times)" if self.occurrences > 1 else ""
-        return f"{line}guard {self.expression}{times}"
+        return f"{line}decided on these inputs' values{times}"
 
 
 @dataclass(frozen=True)
@@ -224,7 +248,7 @@ def export_check(
                 )
         except Exception as error:  # every refusal is explained the same way
             subject.reset()
-            raise _blocked(name, subject, error, dynamic_shapes, above) from None
+            raise _blocked(name, subject, error, dynamic_shapes, strict, above) from None
         finally:
             subject.reset()
     if torch_output.getvalue():
@@ -427,53 +451,153 @@ def _blocked(
     subject: Subject,
     error: BaseException,
     dynamic_shapes: Any,
+    strict: bool,
     above: list[tuple[str, int]],
 ) -> ExportCheckFailure:
     path = _error_path(error, above)
     where = path.innermost
     if not _is_data_dependent(error):
-        first = str(error).strip().split("\n\n")[0]
         at = f" at {where}: `{where.source}`" if where else ""
         return ExportCheckFailure(
-            f"torch.export could not export {name}{at}:\n  {type(error).__name__}: {first}",
-            error,
+            f"torch.export could not export {name}{at}:\n  {in_words(error)}", error
         )
-    decision = _decision_at(subject, where)
+    decision, uses = _eager_run(subject, where)
+    sized = [use for use in uses if use.source is not None]
+    source = sized[0].source if sized else None
     in_library = where is not None and origin(where.filename) is Origin.LIBRARY
-    advice = (
-        _library_advice(where)
-        if in_library and where
-        else (rewrite(where, decision) if where else None)
-    )
-    draft = _draft(subject, dynamic_shapes)
-    lines = [f"torch.export cannot export {name}: its forward makes a data-dependent decision"]
-    if where:
-        lines[0] += f" at {where}:"
-        lines.append(f"    {where.source}")
-    if path.library:
-        lines.append("  reached from your code:")
-        lines += path.lines(indent="    ")
-    if decision:
-        lines.append(
-            f"  decision in the eager run: {decision.op} -> {decision.value!r} "
-            f"at {decision.location}"
-        )
+    lines = _cause_lines(name, where, path, decision, source, sized[0] if sized else None)
     lines.append(
         "An exported program is one graph for every input, so a Python value computed from a "
         "tensor's data (a branch, a loop count, a size) cannot be recorded."
     )
-    if advice:
-        lines.append(advice)
+    verifications = _verified(subject, where, source, dynamic_shapes, strict)
+    working = [v for v in verifications if v.verdict in (Verdict.VERIFIED, Verdict.ONE_SIDE)]
+    # A rewrite that was built and computes something else than eager is not advice.
+    shown = working or [v for v in verifications if v.verdict is not Verdict.DIFFERS]
+    for verification in shown:
+        lines += verification.lines()
+    if not shown:
+        advice = (
+            _library_advice(where)
+            if in_library and where
+            else (rewrite(where, decision) if where else None)
+        )
+        if advice:
+            lines.append("Not verified (the check could not build this rewrite): " + advice)
+    elif not working and in_library and where:
+        lines.append(_library_advice(where))
+    draft = _draft(subject, dynamic_shapes)
     lines += draft.lines()
     return ExportBlocked(
         "\n".join(lines),
-        location=where,
+        location=source.location if source else where,
+        used_at=where,
+        source=source,
         path=path,
         decision=decision,
-        rewrite=None if in_library else advice,
+        verifications=tuple(verifications),
         draft=draft,
         torch_error=error,
     )
+
+
+def _cause_lines(
+    name: str,
+    where: control_flow.Location | None,
+    path: CallPath,
+    decision: control_flow.Decision | None,
+    source: data_dependence.Source | None,
+    use: data_dependence.Use | None,
+) -> list[str]:
+    """The headline: where the value was made (the op, the line) and where it was used."""
+    if source is None or where is None or use is None:
+        lines = [f"torch.export cannot export {name}: its forward makes a data-dependent decision"]
+        if where:
+            lines[0] += f" at {where}:"
+            lines.append(f"    {where.source}")
+    else:
+        used = [n for n in source.names if n in _loaded_names(where)] or list(source.names)
+        tensor = f"`{used[0]}`" if used else "a tensor"
+        sizes = source.describe_sizes()
+        lines = [
+            f"torch.export cannot export {name}: the size of {tensor}, made by {source.op} at "
+            f"{source.location}, depends on the data"
+            + (f" ({sizes})" if sizes else "")
+            + f", and decides {_statement(where)} at {where}, read by {use.how}:",
+            f"    {source.location.line}: {source.location.source}",
+            f"    {where.line}: {where.source}",
+        ]
+    if path.library:
+        lines.append("  reached from your code:")
+        lines += path.lines(indent="    ")
+    if decision and source is None:
+        lines.append(
+            f"  decision in the eager run: {decision.op} -> {decision.value!r} "
+            f"at {decision.location}"
+        )
+    return lines
+
+
+def _loaded_names(where: control_flow.Location) -> set[str]:
+    try:
+        tree = ast.parse(where.source.rstrip(":") or "pass")
+    except SyntaxError:
+        statement = where.source.split(" ", 1)[-1].rstrip(":")
+        try:
+            tree = ast.parse(statement)
+        except SyntaxError:
+            return set()
+    return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+
+
+def _statement(where: control_flow.Location) -> str:
+    """``the `if` `` or ``the loop `for ...` ``: what the line is, as its first word says."""
+    word = where.source.split(" ", 1)[0].rstrip(":")
+    if word in ("if", "elif", "while", "assert"):
+        return f"the `{word}`"
+    if word == "for":
+        return "the number of passes of the loop"
+    return "a Python value"
+
+
+def _verified(
+    subject: Subject,
+    where: control_flow.Location | None,
+    source: data_dependence.Source | None,
+    dynamic_shapes: Any,
+    strict: bool,
+) -> list[Verification]:
+    """Each rewrite of the decision the check could build, built, exported and compared,
+    until one works."""
+    if where is None:
+        return []
+    names = [n for n in (source.names if source else ()) if n in _loaded_names(where)]
+    candidates: list[Rewrite | Setting] = []
+    if origin(where.filename) is Origin.LIBRARY:
+        candidates += library_settings(subject.target)
+    else:
+        candidates += function_rewrites(where, names if source else ())
+    if source is None:
+        watch = Watch(where, Varied.BRANCH)
+    else:
+        loop = where.source.startswith("for ")
+        watch = Watch(source.location, Varied.COUNT if loop else Varied.EMPTY)
+    found = []
+    for candidate in candidates:
+        verification = verify(
+            candidate,
+            subject.target,
+            subject.args,
+            subject.kwargs,
+            watch,
+            dynamic_shapes=dynamic_shapes,
+            strict=strict,
+            failure=ExportCheckFailure,
+        )
+        found.append(verification)
+        if verification.verdict is Verdict.VERIFIED:
+            break
+    return found
 
 
 def _library_advice(where: control_flow.Location) -> str:
@@ -502,7 +626,7 @@ def _draft(subject: Subject, dynamic_shapes: Any) -> DraftReport:
     except Exception as error:  # draft_export is a hint here: say why it stopped
         where = call_path(traceback_frames(error)).innermost
         at = f" at {where}: `{where.source}`" if where else " inside torch"
-        return DraftReport(error=f"{quoted(error)}{at}")
+        return DraftReport(error=f"{in_words(error)}{at}")
     finally:
         subject.reset()
     report = program._report  # draft_export's report has no public accessor
@@ -541,24 +665,30 @@ def _draft_frames(
     ]
 
 
-def _decision_at(
+def _eager_run(
     subject: Subject, where: control_flow.Location | None
-) -> control_flow.Decision | None:
-    """The decision the eager forward made at ``where`` (else the last one before it)."""
+) -> tuple[control_flow.Decision | None, list[data_dependence.Use]]:
+    """The decision the eager forward made at ``where`` (else the last one before it), and
+    the data-dependent sizes and values the line read."""
     fresh = subject.fresh_inputs()
     try:
-        with torch.no_grad(), control_flow.record_decisions() as log:
+        with (
+            torch.no_grad(),
+            control_flow.record_decisions() as log,
+            data_dependence.tracing() as trace,
+        ):
             subject.target(*fresh.args, **fresh.kwargs)
     except Exception:  # the eager run is only a hint here
         pass
     finally:
         subject.reset()
     if where is None:
-        return log[0] if len(log) else None
+        return (log[0] if len(log) else None), []
+    uses = trace.uses_at(where)
     same_line = [d for d in log if d.location == where]
     if same_line:
-        return same_line[0]
+        return same_line[0], uses
     earlier = [
         d for d in log if d.location.filename == where.filename and d.location.line < where.line
     ]
-    return max(earlier, key=lambda d: d.location.line) if earlier else None
+    return (max(earlier, key=lambda d: d.location.line) if earlier else None), uses

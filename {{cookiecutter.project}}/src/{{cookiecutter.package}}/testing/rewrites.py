@@ -12,12 +12,122 @@ read off a tensor gets :func:`scalar_advice`.
 from __future__ import annotations
 
 import ast
+import copy
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from .control_flow import Decision, Location
 from .sources import ParsedSource, parsed
 
-__all__ = ["rewrite", "scalar_advice"]
+__all__ = ["Rewrite", "function_rewrites", "rewrite", "scalar_advice"]
+
+
+@dataclass(frozen=True)
+class Rewrite:
+    """A rewrite of the function around a decision, whole, so that a check can build it.
+
+    ``explanation`` says what it does and ``code`` is what to write instead of lines
+    ``replaced`` of ``filename`` (it parses); ``function`` is the whole function with
+    the rewrite applied, whose ``def`` is at ``function_line`` of the file.
+    """
+
+    explanation: str
+    code: str
+    filename: str
+    replaced: tuple[int, int]
+    function: ast.FunctionDef
+    function_line: int
+
+
+def function_rewrites(where: Location, sized: Sequence[str] = ()) -> list[Rewrite]:
+    """The rewrites of the decision at ``where`` that a check can build and export, best
+    first; ``sized`` names the tensors whose data-dependent size the line reads."""
+    source = parsed(where.filename)
+    if source is None:
+        return []
+    node = _innermost(source, where.line, (ast.If, ast.While, ast.For, ast.Assert))
+    if not isinstance(node, ast.If):
+        return []
+    function = next((a for a in source.ancestors(node) if isinstance(a, ast.FunctionDef)), None)
+    if function is None:
+        return []
+    found = []
+    if sized and not node.orelse:
+        unguarded = (
+            [] if all(isinstance(s, ast.Continue | ast.Pass) for s in node.body) else node.body
+        )
+        names = ", ".join(f"`{name}`" for name in sized)
+        found.append(
+            _built(
+                where.filename,
+                function,
+                [node],
+                unguarded,
+                f"Take the `if` out: with an empty {names}, indexing and index_add_ do nothing, "
+                "so the code under it computes the same for every size, 0 included, and the "
+                "program keeps the size as a value instead of deciding on it. The loop then reads:",
+            )
+        )
+    built = cond_statements(node, source, function)
+    if built is not None:
+        statements, replaced = built
+        found.append(
+            _built(
+                where.filename,
+                function,
+                replaced,
+                statements,
+                "Rewrite the branch with torch.cond, which records both branches and picks one "
+                "when the program runs (both take the same tensors and return tensors of the "
+                "same shapes and dtypes):",
+            )
+        )
+    return found
+
+
+def _built(
+    filename: str,
+    function: ast.FunctionDef,
+    replaced: list[ast.stmt],
+    statements: list[ast.stmt],
+    explanation: str,
+) -> Rewrite:
+    """``function`` with the statements ``replaced`` (consecutive, in one body) swapped for
+    ``statements``; the code shown is the innermost loop around them, else the statements."""
+    first = min([function.lineno, *(d.lineno for d in function.decorator_list)])
+    copied = copy.deepcopy(function)
+    position = {(n.lineno, n.col_offset) for n in replaced}
+    shown: ast.AST | None = None
+    for parent in ast.walk(copied):
+        for field in ("body", "orelse"):
+            body = getattr(parent, field, None)
+            if not isinstance(body, list):
+                continue
+            indices = [
+                i
+                for i, n in enumerate(body)
+                if (getattr(n, "lineno", None), getattr(n, "col_offset", None)) in position
+            ]
+            if indices:
+                emptied = len(indices) == len(body) and not statements
+                body[indices[0] : indices[-1] + 1] = (
+                    [ast.Pass()] if emptied else copy.deepcopy(statements)
+                )
+                if isinstance(parent, ast.For | ast.While):
+                    shown = parent
+    ast.fix_missing_locations(copied)
+    code = (
+        ast.unparse(shown) if shown is not None else "\n".join(ast.unparse(s) for s in statements)
+    )
+    end = max(n.end_lineno or n.lineno for n in replaced)
+    return Rewrite(
+        explanation,
+        "\n".join(f"    {line}" for line in code.splitlines()),
+        filename,
+        (replaced[0].lineno, end),
+        copied,
+        first,
+    )
 
 
 def _innermost(source: ParsedSource, line: int, kinds: tuple[type, ...]) -> ast.AST | None:
@@ -138,32 +248,98 @@ def _false_branch(node: ast.If, source: ParsedSource) -> list[ast.stmt]:
 
 
 def _cond_rewrite(node: ast.If, source: ParsedSource, function: ast.AST | None) -> str:
-    condition = ast.unparse(node.test)
-    true_branch, false_branch = _branch(node.body), _branch(_false_branch(node, source))
-    general = (
+    built = cond_statements(node, source, function)
+    if built is None:
+        return (
+            "Rewrite the branch with torch.cond, which records both branches and picks one when "
+            "the program runs: move each side into a function of the tensors it reads that "
+            "returns the tensors it assigns (both sides the same shapes and dtypes), and "
+            "assign torch.cond(condition, true_fn, false_fn, operands) to them. This branch "
+            "leaves its function (return, break or continue) on one side only, so it does not "
+            "fit torch.cond as written."
+        )
+    statements, _ = built
+    code = "\n".join(f"    {line}" for s in statements for line in ast.unparse(s).splitlines())
+    return (
         "Rewrite the branch with torch.cond, which records both branches and picks one when "
         "the program runs (both take the same tensors and return tensors of the same shapes "
-        "and dtypes):"
+        "and dtypes):\n" + code
     )
+
+
+def cond_statements(
+    node: ast.If, source: ParsedSource, function: ast.AST | None
+) -> tuple[list[ast.stmt], list[ast.stmt]] | None:
+    """The statements that replace ``node`` (and what it returns into, when its body
+    ends in ``return``): ``torch.cond`` over both sides, and the statements replaced;
+    ``None`` when a side leaves the function or loop other than by a final ``return``."""
+    false_side = _false_branch(node, source)
+    true_branch, false_branch = _branch(node.body), _branch(false_side)
+    replaced = [node, *(false_side if false_side is not node.orelse else [])]
+    condition = node.test
     if true_branch and false_branch and true_branch[0] == false_branch[0]:
         operands = _operands([true_branch[1], false_branch[1]], function)
         parameters = ", ".join(operands)
         packed = f"({parameters},)" if len(operands) == 1 else f"({parameters})"
         target = "return" if true_branch[0] == "return" else f"{true_branch[0]} ="
-        return (
-            f"{general}\n"
-            f"    {target} torch.cond({condition}, lambda {parameters}: "
-            f"{ast.unparse(true_branch[1])}, lambda {parameters}: {ast.unparse(false_branch[1])}, "
-            f"{packed})"
+        text = (
+            f"{target} torch.cond({ast.unparse(condition)}, lambda {parameters}: "
+            f"{ast.unparse(true_branch[1])}, lambda {parameters}: "
+            f"{ast.unparse(false_branch[1])}, {packed})"
         )
-    operands = _operands([*node.body, *_false_branch(node, source)], function)
+        return ast.parse(text).body, replaced
+    sides = [node.body, node.orelse]
+    if any(
+        isinstance(n, ast.Return | ast.Break | ast.Continue | ast.Yield)
+        for side in sides
+        for statement in side
+        for n in ast.walk(statement)
+    ):
+        return None
+    before, after = _names_around(function, node)
+    assigned = [
+        n.id
+        for side in sides
+        for statement in side
+        for n in ast.walk(statement)
+        if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+    ]
+    outputs = [name for name in dict.fromkeys(assigned) if name in after]
+    if not outputs:
+        return None
+    operands = [name for name in _operands([*node.body, *node.orelse], function) if name in before]
+    operands += [name for name in outputs if name not in operands and name in before]
     parameters = ", ".join(operands)
-    return (
-        f"{general}\n"
-        f"    def true_branch({parameters}):  # line {node.body[0].lineno}: the `if` body\n"
-        f"    def false_branch({parameters}):  # the `else` part\n"
-        f"    ... = torch.cond({condition}, true_branch, false_branch, ({parameters},))"
+    returned = ", ".join(outputs) + ("," if len(outputs) == 1 else "")
+    lines = []
+    for name, side in (("true_branch", node.body), ("false_branch", node.orelse)):
+        lines.append(f"def {name}({parameters}):")
+        lines += [
+            f"    {line}" for statement in side for line in ast.unparse(statement).splitlines()
+        ]
+        lines.append(f"    return ({returned})")
+    lines.append(
+        f"{returned} = torch.cond({ast.unparse(condition)}, true_branch, false_branch, "
+        f"({parameters}{',' if len(operands) == 1 else ''}))"
     )
+    return ast.parse("\n".join(lines)).body, replaced
+
+
+def _names_around(function: ast.AST | None, node: ast.stmt) -> tuple[set[str], set[str]]:
+    """The local names defined before ``node`` (parameters included), and those read after it."""
+    if function is None:
+        return set(), set()
+    before = {a.arg for a in ast.walk(function.args) if isinstance(a, ast.arg)}  # type: ignore[attr-defined]
+    after = set()
+    end = node.end_lineno or node.lineno
+    for name in ast.walk(function):
+        if not isinstance(name, ast.Name):
+            continue
+        if isinstance(name.ctx, ast.Store) and name.lineno < node.lineno:
+            before.add(name.id)
+        elif isinstance(name.ctx, ast.Load) and name.lineno > end:
+            after.add(name.id)
+    return before - {"self", "cls"}, after
 
 
 def _where_rewrite(node: ast.IfExp, source: ParsedSource) -> str:
@@ -197,7 +373,7 @@ def _masked_loop_rewrite(node: ast.If, loop: ast.For | ast.While) -> str:
     header = (
         f"for {ast.unparse(loop.target)} in {ast.unparse(loop.iter)}:"
         if isinstance(loop, ast.For)
-        else "for _ in range(<an upper bound on the steps>):"
+        else "for _ in range(max_steps):  # max_steps: an upper bound on the passes"
     )
     lines = [
         "The loop stops on a tensor's value. Run it a fixed number of times and stop "
@@ -209,7 +385,9 @@ def _masked_loop_rewrite(node: ast.If, loop: ast.For | ast.While) -> str:
     ]
     lines += [f"        {name} = torch.where(active, {value}, {name})" for name, value in updates]
     if not updates:
-        lines.append("        <each update> = torch.where(active, <new value>, <old value>)")
+        lines.append(
+            "        value = torch.where(active, new_value, value)  # each value the loop updates"
+        )
     lines.append(
         "or torch.while_loop(cond_fn, body_fn, carried_inputs), which exports the loop itself "
         "(forward only)."
