@@ -21,6 +21,7 @@ SHARED_FLOOR = frozenset(
         "calls",  # the call a check makes: options, forward_kwargs, input sets, modules reached
         "comparison",  # two results compared, bit for bit or within tolerances
         "control_flow",  # data-dependent decisions recorded, with the user's line
+        "data_dependence",  # where a data-dependent size or value is made, and where used
         "failures",  # CheckFailure, the base of every check's failures
         "float64",  # a forward kept in float64 end to end
         "frames",  # whose code a frame runs; the user's line and the library lines under it
@@ -35,6 +36,8 @@ SHARED_FLOOR = frozenset(
         "runs",  # one forward and backward, its cotangents and typed results
         "subject",  # the model or function under test and the state each run starts from
         "torch_logs",  # torch's own log records kept out of a check's report
+        "torch_text",  # torch's error text without symbolic-shape internals
         "trees",  # nested inputs and outputs through torch.utils._pytree
+        "verified_rewrites",  # a rewrite built, exported and compared with eager
     }
 )
