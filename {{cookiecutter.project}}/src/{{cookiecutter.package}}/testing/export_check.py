@@ -476,16 +476,12 @@ def _blocked(
     shown = working or [v for v in verifications if v.verdict is not Verdict.DIFFERS]
     for verification in shown:
         lines += verification.lines()
-    if not shown:
-        advice = (
-            _library_advice(where)
-            if in_library and where
-            else (rewrite(where, decision) if where else None)
-        )
+    if in_library and where and not working:
+        lines.append(_library_advice(where))
+    elif not shown and where:
+        advice = rewrite(where, decision)
         if advice:
             lines.append("Not verified (the check could not build this rewrite): " + advice)
-    elif not working and in_library and where:
-        lines.append(_library_advice(where))
     draft = _draft(subject, dynamic_shapes)
     lines += draft.lines()
     return ExportBlocked(
