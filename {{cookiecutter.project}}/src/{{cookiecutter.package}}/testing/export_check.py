@@ -43,6 +43,7 @@ from .verified_rewrites import (
     Verdict,
     Verification,
     Watch,
+    verification_inputs,
     library_settings,
     verify,
 )
@@ -578,14 +579,15 @@ def _verified(
     else:
         loop = where.source.startswith("for ")
         watch = Watch(source.location, Varied.COUNT if loop else Varied.EMPTY)
+    if not candidates:
+        return []
+    inputs = verification_inputs(subject.target, subject.args, subject.kwargs, watch, ExportCheckFailure)
     found = []
     for candidate in candidates:
         verification = verify(
             candidate,
             subject.target,
-            subject.args,
-            subject.kwargs,
-            watch,
+            inputs,
             dynamic_shapes=dynamic_shapes,
             strict=strict,
             failure=ExportCheckFailure,

@@ -52,6 +52,11 @@ def function_rewrites(where: Location, sized: Sequence[str] = ()) -> list[Rewrit
     if function is None:
         return []
     found = []
+    loop = next((a for a in source.ancestors(node) if isinstance(a, ast.For | ast.While)), None)
+    masked = masked_loop_statements(node, loop, function) if loop is not None else None
+    if masked is not None:
+        statements, replaced = masked
+        found.append(_built(where.filename, function, replaced, statements, _MASKED_LOOP))
     if sized and not node.orelse:
         unguarded = (
             [] if all(isinstance(s, ast.Continue | ast.Pass) for s in node.body) else node.body
@@ -165,7 +170,7 @@ def rewrite(where: Location, decision: Decision | None) -> str | None:
     if isinstance(node, ast.If):
         loop = next((a for a in source.ancestors(node) if isinstance(a, ast.For | ast.While)), None)
         if loop is not None and any(isinstance(n, ast.Break) for n in node.body):
-            return _masked_loop_rewrite(node, loop)
+            return _masked_loop_rewrite(node, loop, function)
         return _cond_rewrite(node, source, function)
     if isinstance(node, ast.While):
         return _while_rewrite(node, function)
@@ -362,37 +367,96 @@ def _where_rewrite(node: ast.IfExp, source: ParsedSource) -> str:
     return "\n".join(lines)
 
 
-def _masked_loop_rewrite(node: ast.If, loop: ast.For | ast.While) -> str:
-    condition = ast.unparse(node.test)
-    body = loop.body[loop.body.index(node) + 1 :] if node in loop.body else []
-    updates = [
-        (s.targets[0].id, ast.unparse(s.value))
-        for s in body
-        if isinstance(s, ast.Assign) and len(s.targets) == 1 and isinstance(s.targets[0], ast.Name)
-    ]
+_MASKED_LOOP = (
+    "The loop stops on a tensor's value. Run it the full number of times and stop updating "
+    "with a mask (same outputs and gradients; every step is computed):"
+)
+
+
+def _masked_loop_rewrite(node: ast.If, loop: ast.For | ast.While, function: ast.AST | None) -> str:
+    built = masked_loop_statements(node, loop, function)
+    if built is not None:
+        statements, _ = built
+        code = "\n".join(f"    {line}" for s in statements for line in ast.unparse(s).splitlines())
+        return f"{_MASKED_LOOP}\n{code}"
     header = (
         f"for {ast.unparse(loop.target)} in {ast.unparse(loop.iter)}:"
         if isinstance(loop, ast.For)
         else "for _ in range(max_steps):  # max_steps: an upper bound on the passes"
     )
-    lines = [
-        "The loop stops on a tensor's value. Run it a fixed number of times and stop "
-        "updating with a mask (same outputs and gradients; every step is computed):",
-        "    active = torch.ones((), dtype=torch.bool"
-        + (f", device={updates[0][0]}.device)" if updates else ")"),
-        f"    {header}",
-        f"        active = active & ~({condition})",
-    ]
-    lines += [f"        {name} = torch.where(active, {value}, {name})" for name, value in updates]
-    if not updates:
-        lines.append(
-            "        value = torch.where(active, new_value, value)  # each value the loop updates"
-        )
-    lines.append(
-        "or torch.while_loop(cond_fn, body_fn, carried_inputs), which exports the loop itself "
-        "(forward only)."
+    return "\n".join(
+        [
+            _MASKED_LOOP,
+            "    active = torch.ones((), dtype=torch.bool)",
+            f"    {header}",
+            f"        active = active & ~({ast.unparse(node.test)})",
+            "        value = torch.where(active, new_value, value)  # each value the loop updates",
+            "or torch.while_loop(cond_fn, body_fn, carried_inputs), which exports the loop "
+            "itself (forward only).",
+        ]
     )
-    return "\n".join(lines)
+
+
+def masked_loop_statements(
+    node: ast.If, loop: ast.For | ast.While, function: ast.AST | None
+) -> tuple[list[ast.stmt], list[ast.stmt]] | None:
+    """The statements that replace ``loop``, which ``node`` (``if c: ...; break``) ends on
+    a tensor's value: the loop run to its end, each assignment kept only while no ``break``
+    has happened (``torch.where``), and the statements replaced; ``None`` unless the loop is
+    a ``for`` whose body is assignments to names around that one ``if``."""
+    if not isinstance(loop, ast.For) or node not in loop.body or node.orelse:
+        return None
+    if not node.body or not isinstance(node.body[-1], ast.Break):
+        return None
+    on_exit, others = node.body[:-1], [s for s in loop.body if s is not node]
+    if not all(_assigns_a_name(s) for s in [*on_exit, *others]):
+        return None
+    before, _ = _names_around(function, loop)
+    assigned = [_assigned_name(s) for s in [*on_exit, *others]]
+    undefined = [name for name in dict.fromkeys(assigned) if name not in before]
+    device = next((name for name in _operands(loop.body, function) if name in before), None)
+    condition = ast.unparse(node.test)
+    lines = [
+        "active = torch.ones((), dtype=torch.bool"
+        + (f", device={device}.device)" if device else ")"),
+        *(f"{name} = None" for name in undefined),
+        f"for {ast.unparse(loop.target)} in {ast.unparse(loop.iter)}:",
+    ]
+    index = loop.body.index(node)
+    lines += [_masked(s, "active", undefined) for s in loop.body[:index]]
+    if on_exit:
+        lines.append(f"    stopping = active & ({condition})")
+        lines += [_masked(s, "stopping", undefined) for s in on_exit]
+    lines.append(f"    active = active & ~({condition})")
+    lines += [_masked(s, "active", undefined) for s in loop.body[index + 1 :]]
+    return ast.parse("\n".join(lines)).body, [loop]
+
+
+def _assigns_a_name(statement: ast.stmt) -> bool:
+    if isinstance(statement, ast.Assign):
+        return len(statement.targets) == 1 and isinstance(statement.targets[0], ast.Name)
+    return isinstance(statement, ast.AugAssign | ast.AnnAssign) and isinstance(
+        statement.target, ast.Name
+    )
+
+
+def _assigned_name(statement: ast.stmt) -> str:
+    target = statement.targets[0] if isinstance(statement, ast.Assign) else statement.target  # type: ignore[attr-defined]
+    return target.id
+
+
+def _masked(statement: ast.stmt, mask: str, undefined: list[str]) -> str:
+    """``name = value`` as an update kept where ``mask`` holds (the new value on a first
+    pass that defines the name)."""
+    name = _assigned_name(statement)
+    if isinstance(statement, ast.AugAssign):
+        value = ast.unparse(ast.BinOp(ast.Name(name), statement.op, statement.value))
+    else:
+        value = ast.unparse(statement.value)  # type: ignore[arg-type]
+    kept = f"torch.where({mask}, {value}, {name})"
+    if name in undefined:
+        return f"    {name} = {value} if {name} is None else {kept}"
+    return f"    {name} = {kept}"
 
 
 def _while_rewrite(node: ast.While, function: ast.AST | None) -> str:

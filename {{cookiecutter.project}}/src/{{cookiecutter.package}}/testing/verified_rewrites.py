@@ -20,7 +20,7 @@ import contextlib
 import enum
 import io
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 
 from . import control_flow, data_dependence
+from .branches import other_sides
 from .comparison import close_mismatch
 from .control_flow import Location, display_path
 from .failures import CheckFailure
@@ -39,11 +40,13 @@ from .trees import named_leaves
 
 __all__ = [
     "OTHER_INPUT_SETS",
+    "InputSets",
     "Setting",
     "Varied",
     "Verdict",
     "Verification",
     "Watch",
+    "verification_inputs",
     "library_settings",
     "verify",
 ]
@@ -121,35 +124,115 @@ class Verification:
         return [head, self.code]
 
 
-def verify(
-    rewrite: Rewrite | Setting,
+@dataclass(frozen=True)
+class InputSets:
+    """The input sets a rewrite is compared on, with the eager model's output on each and
+    what the watched line decided there (``watch``): computed once for all rewrites."""
+
+    arguments: tuple
+    kwargs: dict[str, Any]
+    watch: Watch | None
+    sets: tuple[tuple, ...]
+    eager: tuple[tuple[int, Any], ...]
+    sides: tuple[tuple[Any, ...], ...]
+    searched: str  # what the branch search added, for the report
+
+
+def verification_inputs(
     module: nn.Module,
     arguments: tuple,
     kwargs: dict[str, Any],
     watch: Watch | None,
+    failure: type[CheckFailure],
+) -> InputSets:
+    """The given input set, :data:`OTHER_INPUT_SETS` drawn like it, and, when none of them
+    took the other side of the watched branch, one found by the branch search
+    (:func:`.branches.other_sides`) on it."""
+    sets = [arguments, *_drawn_like(arguments)]
+    eager, sides = [], []
+
+    def run(number: int, inputs: tuple) -> None:
+        try:
+            output, side = _eager(Subject(module, inputs, kwargs, failure=failure), watch)
+        except Exception:  # a drawn input the model refuses is no input set
+            if number == 0:
+                raise
+            return
+        eager.append((number, output))
+        sides.append(tuple(side))
+
+    for number, inputs in enumerate(sets):
+        run(number, inputs)
+    searched = ""
+    if watch is not None and watch.varied is Varied.BRANCH and not _sides_text(sides, watch)[1]:
+        moved = _other_side(module, arguments, kwargs, watch.location, failure)
+        if isinstance(moved, tuple):
+            sets.append(moved)
+            run(len(sets) - 1, moved)
+            searched = "the last found by the branch search"
+        else:
+            searched = f"the branch search found no other side: {moved}"
+    return InputSets(arguments, kwargs, watch, tuple(sets), tuple(eager), tuple(sides), searched)
+
+
+def _other_side(
+    module: nn.Module,
+    arguments: tuple,
+    kwargs: dict[str, Any],
+    location: Location,
+    failure: type[CheckFailure],
+) -> tuple | str:
+    """Inputs on which the branch at ``location`` goes the other way, moved from
+    ``arguments`` along its margin; else why none was found."""
+    leaves, spec = pytree.tree_flatten(arguments)
+    movable = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]
+    if not movable:
+        return "no floating-point input to move"
+    subject = Subject(module, arguments, kwargs, failure=failure)
+
+    def evaluate(values: list[torch.Tensor]) -> Any:
+        moved = list(leaves)
+        for index, value in zip(movable, values, strict=True):
+            moved[index] = value
+        try:
+            return module(*pytree.tree_unflatten(moved, spec), **kwargs)
+        finally:
+            subject.reset()
+
+    values = [leaves[i].detach() for i in movable]
+    eps = torch.finfo(values[0].dtype).eps ** 0.5
+    try:
+        sides = other_sides(evaluate, values, range(len(values)), eps=eps)
+    except Exception as error:  # the search is a help here: say why it stopped
+        return in_words(error)
+    side = next((side for side in sides if side.location == location), None)
+    if side is None:
+        return "the search saw no decision there"
+    if not side.found or side.values is None:
+        return side.reason
+    moved = list(leaves)
+    for index, value in zip(movable, side.values, strict=True):
+        moved[index] = value.detach().to(leaves[index].dtype)
+    return pytree.tree_unflatten(moved, spec)
+
+
+def verify(
+    rewrite: Rewrite | Setting,
+    module: nn.Module,
+    inputs: InputSets,
     *,
     dynamic_shapes: Any,
     strict: bool,
     failure: type[CheckFailure],
 ) -> Verification:
-    """Build ``rewrite`` into ``module``, export it with ``arguments``, and compare it with
-    the eager ``module`` on those and on :data:`OTHER_INPUT_SETS` more."""
-    sets = [arguments, *_drawn_like(arguments)]
+    """Build ``rewrite`` into ``module``, export it with the given input set, and compare
+    it with the eager ``module`` on every input set of ``inputs``."""
+    arguments, kwargs, watch, sets = inputs.arguments, inputs.kwargs, inputs.watch, inputs.sets
+    eager_outputs, sides = inputs.eager, inputs.sides
 
     def verdict(kind: Verdict, seen: str = "", problem: str = "") -> Verification:
         return Verification(rewrite.explanation, rewrite.code, kind, len(sets), seen, problem)
 
-    eager_outputs, sides = [], []
-    for number, inputs in enumerate(sets):
-        subject = Subject(module, inputs, kwargs, failure=failure)
-        try:
-            output, side = _eager(subject, watch)
-        except Exception:  # a drawn input the model refuses is no input set
-            if number == 0:
-                raise
-            continue
-        eager_outputs.append((number, output))
-        sides.append(side)
     restore = _applied(rewrite, module)
     if isinstance(restore, str):
         return verdict(Verdict.NOT_BUILT, problem=restore)
@@ -187,6 +270,8 @@ def verify(
         if mismatch:
             return verdict(Verdict.DIFFERS, problem=f"on input set {number}: {mismatch}")
     seen, both = _sides_text(sides, watch)
+    if inputs.searched:
+        seen += f" ({inputs.searched})"
     return verdict(Verdict.VERIFIED if both else Verdict.ONE_SIDE, seen)
 
 
@@ -279,7 +364,7 @@ def _eager(subject: Subject, watch: Watch | None) -> tuple[Any, list[Any]]:
     return output, list(source.sizes if source else ())
 
 
-def _sides_text(sides: list[list[Any]], watch: Watch | None) -> tuple[str, bool]:
+def _sides_text(sides: Sequence[Sequence[Any]], watch: Watch | None) -> tuple[str, bool]:
     if watch is None:
         return "on which nothing was to vary", True
     where = display_path(watch.location.filename) + f":{watch.location.line}"
@@ -300,9 +385,8 @@ def _sides_text(sides: list[list[Any]], watch: Watch | None) -> tuple[str, bool]
         return f"on which the size made at {where} was {spread}", len(counts) > 1
     true = sum(True in side for side in sides)
     false = sum(False in side for side in sides)
-    return f"which took the branch at {where} {true} times True and {false} times False", bool(
-        true and false
-    )
+    text = f"on which the branch at {where} was True in {true} and False in {false}"
+    return text, bool(true and false)
 
 
 def _applied(rewrite: Rewrite | Setting, module: nn.Module) -> Callable[[], None] | str:
