@@ -603,20 +603,6 @@ def _mismatch_report(differing_keys: list[Key], first: str, label: str) -> list[
     return lines
 
 
-def _changed_attributes(changed: Sequence[python_attributes.AttributeChange]) -> list[str]:
-    """The lines naming the Python attributes a run changed, none when it changed none."""
-    if not changed:
-        return []
-    return [
-        "The forward changes Python attributes of the model, which the check does not put "
-        "back between runs (it puts back parameters, buffers and RNG states), so each run "
-        "starts from other values:",
-        *(f"  {change}" for change in changed),
-        "Keep such state out of the forward, or in a buffer (register_buffer) if the "
-        "forward needs it.",
-    ]
-
-
 def _nondeterministic_op_error(
     subject: Subject, cotangents: Cotangents, raised: _NondeterministicOpRaised
 ) -> NondeterministicOpError:
@@ -731,7 +717,9 @@ def autograd_determinism(
                         "seeds, lazily initialized state)."
                     )
                 else:
-                    lines.extend(_changed_attributes(changed))
+                    lines += python_attributes.described(
+                        changed, "so each run starts from other values"
+                    )
                     lines.extend(_localize(subject, cotangents, max(runs, 3), changed))
                 raise DeterminismFailure("\n".join(lines))
     except _NondeterministicOpRaised as raised:

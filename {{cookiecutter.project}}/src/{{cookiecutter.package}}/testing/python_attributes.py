@@ -14,7 +14,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from torch import nn
@@ -22,7 +22,7 @@ from torch import nn
 from .control_flow import Location
 from .sources import parsed
 
-__all__ = ["AttributeChange", "Snapshot", "changes", "snapshot"]
+__all__ = ["AttributeChange", "Snapshot", "assigned_at", "changes", "described", "snapshot"]
 
 # Values a forward keeps as plain Python state; a tuple longer than this is data, not a
 # counter or a mode, and would make the messages that list it long.
@@ -86,6 +86,20 @@ def changes(before: Snapshot, after: Snapshot) -> list[AttributeChange]:
         owner = prefix or type(module).__name__
         found.append(AttributeChange(owner, attribute, old, new, assigned_at(module, attribute)))
     return found
+
+
+def described(changed: Sequence[AttributeChange], consequence: str) -> list[str]:
+    """A message's lines naming the attributes a run changed and the way out; ``consequence``
+    says what the change did (``so each run starts from other values``)."""
+    if not changed:
+        return []
+    return [
+        "The forward changes Python attributes of the model, which the check does not put "
+        f"back between runs (it puts back parameters, buffers and RNG states), {consequence}:",
+        *(f"  {change}" for change in changed),
+        "Keep such state out of the forward, or in a buffer (register_buffer) if the forward "
+        "needs it.",
+    ]
 
 
 def assigned_at(module: nn.Module | None, attribute: str) -> Location | None:
