@@ -177,7 +177,7 @@ class _Reader:
             )
         if variable.isidentifier():
             return _Value(f"the Python value `{variable}`", f"`{variable}`", advice="keep it a tensor")
-        return _Value(f"`{variable}`", f"`{variable}`")
+        return _Value(variable, variable)
 
     def _carried(self) -> _Value:
         """The Python value carried over the graph break at ``made_at``: the number the
