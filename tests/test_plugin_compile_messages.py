@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import DEFAULT_PACKAGE
 from sessions import SEEDED, assert_failures, failure_reports, run_session
 
 # torch's symbols, which no message of the plugin may show.
@@ -295,6 +294,10 @@ def test_messages_in_the_users_terms(plugin_pytester):
     failing.assert_outcomes(failed=len(EXPECTED))
     assert_failures(failing, EXPECTED)
     assert_no_internals(failing)
-    aten = [line for lines in failure_reports(failing).values() for line in lines
-            if line.startswith("E ") and "aten." in line]
+    aten = [
+        line
+        for lines in failure_reports(failing).values()
+        for line in lines
+        if line.startswith("E ") and "aten." in line
+    ]
     assert not aten

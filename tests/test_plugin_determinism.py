@@ -911,7 +911,9 @@ def test_a_python_attribute_the_forward_changes_is_named(plugin_pytester: pytest
         "between runs (it puts back parameters, buffers and RNG states), so each run starts "
         "from other values:"
     ) in text
-    assert "  CountsCalls.calls: 0 -> 1 (`self.calls += 1  # LINE-CALLS` at test_session.py:1" in text
+    assert (
+        "  CountsCalls.calls: 0 -> 1 (`self.calls += 1  # LINE-CALLS` at test_session.py:1" in text
+    )
     assert (
         "so that data came from the Python attributes the forward changes between runs "
         "(CountsCalls.calls, above)"

@@ -426,8 +426,7 @@ def _first_op_difference(
                 + (
                     f"(the Python attributes the forward changes: {attributes}, above)"
                     if changed
-                    else "(the clock, the OS, a generator or global state the check does not "
-                    "reset)"
+                    else "(the clock, the OS, a generator or global state the check does not reset)"
                 )
             )
         if x.inputs != y.inputs:

@@ -335,7 +335,9 @@ def compile_check(
             for found in (
                 mismatch,
                 _over_budget(breaks, max_graph_breaks, "max_graph_breaks", TooManyGraphBreaks),
-                _over_budget(tuple(recompilations), max_recompiles, "max_recompiles", TooManyRecompiles),
+                _over_budget(
+                    tuple(recompilations), max_recompiles, "max_recompiles", TooManyRecompiles
+                ),
             )
             if found is not None
         ]

@@ -49,7 +49,9 @@ _ATTRIBUTE = re.compile(r"^self\.(?P<path>[\w.]+)$")
 _STACK = re.compile(r"^___stack\d+$")
 _STACK_IN = re.compile(r"___stack\d+")
 # A guard's variables inside a condition: a local, a carried stack value, an attribute.
-_VARIABLE = re.compile(r"[LG]\['[^']+'\](?:\._modules\['[^']+'\]|\.\w+)*|___stack\d+|self(?:\.\w+)+")
+_VARIABLE = re.compile(
+    r"[LG]\['[^']+'\](?:\._modules\['[^']+'\]|\.\w+)*|___stack\d+|self(?:\.\w+)+"
+)
 _COMPARISON = re.compile(r"<=|>=|<|>|!=|==")
 # torch's own symbols, which a message never shows: sizes and numbers it traces
 # symbolically (s0, u0), sympy's relations, its guard helpers and tensor wrappers.
@@ -129,7 +131,7 @@ _UNKNOWN = object()
 
 
 @dataclasses.dataclass(frozen=True)
-class _Value:
+class _GuardedValue:
     """What a guard's variable is in the user's words, and its value now (``_UNKNOWN``
     when the check cannot tell); ``advice`` ends the sentence of a value guard."""
 
@@ -146,7 +148,7 @@ class _Reader:
     def __init__(self, made_at: control_flow.Location | None, input_set: InputSet) -> None:
         self.made_at, self.input_set = made_at, input_set
 
-    def value(self, variable: str) -> _Value:
+    def value(self, variable: str) -> _GuardedValue:
         """A guard's variable (``L['x']``, ``self.calls``, ``___stack0``) as the user knows it."""
         variable = _MODULES.sub(r".\g<name>", _LOCAL_IN.sub(r"\g<name>", variable))
         if _STACK.match(variable):
@@ -156,35 +158,39 @@ class _Reader:
             prefix, name = attribute["path"].rpartition(".")[::2]
             module, now = self.input_set.attributes.get((prefix, name), (None, _UNKNOWN))
             if module is None:
-                return _Value(f"the attribute `{variable}`", f"`{variable}`")
+                return _GuardedValue(f"the attribute `{variable}`", f"`{variable}`")
             owner = prefix or type(module).__name__
             assigned = python_attributes.assigned_at(module, name)
-            changes = f"; the forward changes it: `{assigned.source}` at {assigned}" if assigned else ""
-            return _Value(
+            changes = (
+                f"; the forward changes it: `{assigned.source}` at {assigned}" if assigned else ""
+            )
+            return _GuardedValue(
                 f"the Python attribute `{owner}.{name}`",
                 f"`{owner}.{name}`",
                 now,
                 f"keep it out of the forward, or in a tensor{changes}",
             )
         if variable == ".0":
-            return _Value("the iterator the loop runs over", "the iterator")
+            return _GuardedValue("the iterator the loop runs over", "the iterator")
         if variable in self.input_set.inputs:
-            return _Value(
+            return _GuardedValue(
                 f"the Python argument `{variable}`",
                 f"`{variable}`",
                 self.input_set.inputs[variable],
                 "pass it as a tensor",
             )
         if variable.isidentifier():
-            return _Value(f"the Python value `{variable}`", f"`{variable}`", advice="keep it a tensor")
-        return _Value(variable, variable)
+            return _GuardedValue(
+                f"the Python value `{variable}`", f"`{variable}`", advice="keep it a tensor"
+            )
+        return _GuardedValue(variable, variable)
 
-    def _carried(self) -> _Value:
+    def _carried(self) -> _GuardedValue:
         """The Python value carried over the graph break at ``made_at``: the number the
         decision there made, named by the assignment that keeps it (``steps = ...``)."""
         made_at = self.made_at
         if made_at is None:
-            return _Value("the Python value carried over a graph break", "that value")
+            return _GuardedValue("the Python value carried over a graph break", "that value")
         made = next((d for d in self.input_set.decisions if d.location == made_at), None)
         now = next((d.value for d in self.input_set.current if d.location == made_at), _UNKNOWN)
         target, expression = _assignment(made_at)
@@ -194,7 +200,9 @@ class _Reader:
             words = f"the Python {number} `{target}` (from {by} at {made_at})"
         else:
             words = f"the Python {number} made from a tensor by {by} at {made_at}"
-        return _Value(words, f"`{target}`" if target else "that number", now, "keep it a tensor")
+        return _GuardedValue(
+            words, f"`{target}`" if target else "that number", now, "keep it a tensor"
+        )
 
     def in_words(self, guard: str) -> str:
         words = self._known(guard)
@@ -215,7 +223,7 @@ class _Reader:
             "TORCH_LOGS=recompiles prints it)"
         )
 
-    def _known(self, guard: str) -> str | None:  # noqa: C901 - one guard form per branch
+    def _known(self, guard: str) -> str | None:
         size = _SIZE.search(guard)
         if size:
             return (
@@ -307,7 +315,7 @@ class _Reader:
     def _condition(self, guard: str) -> str:
         """A condition on Python numbers the compiled code holds for (``(1 + ___stack0) != 1``),
         its variables named as the user wrote them."""
-        named: list[_Value] = []
+        named: list[_GuardedValue] = []
 
         def name(match: re.Match[str]) -> str:
             value = self.value(match[0])
