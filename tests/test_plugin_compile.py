@@ -237,7 +237,7 @@ def test_recompile_on_a_data_dependent_python_number(compile_check):
     assert len(result.recompiles) >= 1
     first = result.recompiles[0]
     assert first.source == "return x * scale"
-    assert "the Python number made from a tensor by Tensor.item at helpers.py:" in first.guard
+    assert "the Python number `scale` (from `x.abs().max().item()` at helpers.py:" in first.guard
 
 
 def test_shape_recompile_and_python_argument(compile_check):
@@ -249,7 +249,7 @@ def test_shape_recompile_and_python_argument(compile_check):
     x = torch.randn(3, requires_grad=True)
     result = compile_check(forward_with_condition, inputs_list=[(x, 0.5), (x, 1.5)],
                            backend="aot_eager", max_recompiles=1)
-    assert "threshold was 0.5 when compiled" in result.recompiles[0].guard
+    assert "`threshold` was 0.5 when compiled and is now 1.5" in result.recompiles[0].guard
 
 
 def test_dropout_batch_norm_and_kwargs_from_identical_states(compile_check):
@@ -463,7 +463,7 @@ EXPECTED_FAILURES = {
         "E*TooManyRecompiles: a recompilation for input set 1, and max_recompiles=0 allows none "
         "(torch.compile stopped at it: torch.compiler.set_stance('fail_on_recompile')):",
         "E*recompiled forward_with_condition at *models.py:*: `if x.mean() > threshold:`: the "
-        "Python value threshold was 0.5 when compiled and is not now*",
+        "Python argument `threshold` was 0.5 when compiled and is now 1.5*",
     ],
     "test_export_of_a_branch": [
         "E*ExportBlocked: torch.export cannot export MeanGatedNet: its forward makes a "

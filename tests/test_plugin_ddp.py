@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from conftest import DEFAULT_PACKAGE
 from sessions import SEEDED, assert_failures, run_session
+from test_plugin_compile_messages import assert_no_internals
 
 HELPERS = f'''
 import os
@@ -450,6 +451,53 @@ EXPECTED_FAILURES = {
         "module level*",
     ],
 }
+
+
+REMEDY_FAILS = """
+import torch
+from helpers import *
+
+
+class RefinesTheWholeBatch(RoutedRefineNet):
+    \"\"\"RoutedRefineNet that refines every row when one row needs it: the decision is
+    the batch's, so each rank's half decides for itself, not as the whole batch would.\"\"\"
+
+    def forward(self, x):
+        h = self.encoder(x)
+        if (h.norm(dim=-1) > self.threshold).any():
+            h = h + torch.tanh(self.refine(h))
+        return self.head(h)
+
+
+def test_the_remedy_fails_too(ddp_check):
+    ddp_check(seeded(RefinesTheWholeBatch), batch(3.0), batch(0.1))
+
+
+def test_rows_routed_one_by_one(ddp_check):
+    ddp_check(seeded(RoutedRefineNet), batch(3.0), batch(0.1), find_unused_parameters=True)
+"""
+
+
+def test_the_failure_a_remedy_runs_into_is_printed_whole(plugin_pytester):
+    result = run_session(plugin_pytester, REMEDY_FAILS, helpers=HELPERS)
+    result.assert_outcomes(passed=1, failed=1)
+    expected = {
+        "test_the_remedy_fails_too": [
+            "E*UnusedParameters: under DistributedDataParallel(find_unused_parameters=False), "
+            "2 of 6 parameters of RefinesTheWholeBatch got no gradient on some ranks*",
+            "E*- DistributedDataParallel(model, find_unused_parameters=True): DDP then searches "
+            "the autograd graph for unused parameters at every step; on this model: *; checked "
+            "here, and then:",
+            "E*      GradientMismatch: after the all-reduce of step 1, DDP's gradient differs from "
+            "one process on the concatenated batch, which DDP stands for:",
+            "E*        grad of *: * elements differ beyond rtol=*",
+            "E*        cause: decision #1 at test_session.py:* `if (h.norm(dim=-1) > "
+            "self.threshold).any():`: one process *, rank 0 True, rank 1 False*",
+            "E*- or touch every parameter in every step*",
+        ]
+    }
+    assert_failures(result, expected)
+    assert_no_internals(result)
 
 
 def test_models_that_scale_pass_and_failing_ranks_are_ended(plugin_pytester):

@@ -19,6 +19,7 @@ import pytest
 import sessions
 import torch
 from conftest import DEFAULT_PACKAGE
+from test_plugin_compile_messages import assert_no_internals
 
 # The sessions' sources are f-strings, their package filled in already.
 run_session = partial(sessions.run_session, template=False)
@@ -871,6 +872,54 @@ def test_thread_pools_and_reseeds_are_named(plugin_pytester: pytest.Pytester) ->
     text = failure_section(result, "test_forward_reseeding_from_the_os")
     assert "the forward reseeds torch's global RNG, with a different seed in each run" in text
     assert "Seed with a fixed value, or not inside the forward" in text
+
+
+PYTHON_ATTRIBUTES = """
+import torch
+from torch import nn
+
+
+class CountsCalls(nn.Module):
+    def __init__(self, scale_by_calls):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.scale_by_calls = scale_by_calls
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1  # LINE-CALLS
+        return self.linear(x) * (self.calls if self.scale_by_calls else 1)
+
+
+def test_a_count_the_output_does_not_use(autograd_determinism):
+    torch.manual_seed(0)
+    autograd_determinism(CountsCalls(scale_by_calls=False), torch.randn(2, 4))
+
+
+def test_a_count_that_scales_the_output(autograd_determinism):
+    torch.manual_seed(0)
+    autograd_determinism(CountsCalls(scale_by_calls=True), torch.randn(2, 4))
+"""
+
+
+def test_a_python_attribute_the_forward_changes_is_named(plugin_pytester: pytest.Pytester) -> None:
+    result = run_session(plugin_pytester, PYTHON_ATTRIBUTES)
+    result.assert_outcomes(passed=1, failed=1)
+    text = failure_section(result, "test_a_count_that_scales_the_output")
+    assert (
+        "The forward changes Python attributes of the model, which the check does not put back "
+        "between runs (it puts back parameters, buffers and RNG states), so each run starts "
+        "from other values:"
+    ) in text
+    assert (
+        "  CountsCalls.calls: 0 -> 1 (`self.calls += 1  # LINE-CALLS` at test_session.py:1" in text
+    )
+    assert (
+        "so that data came from the Python attributes the forward changes between runs "
+        "(CountsCalls.calls, above)"
+    ) in text
+    assert "came from outside torch's ops" not in text
+    assert_no_internals(result)
 
 
 # --- plain helpers -------------------------------------------------------------------

@@ -31,6 +31,7 @@ SHARED_FLOOR = frozenset(
         "parameter_use",  # parameters a forward reaches, and the decisions that decide it
         "parts",  # the autograd Functions and submodule calls of one forward, with their inputs
         "processes",  # a child process run to a deadline, killed with its group, its stack read
+        "python_attributes",  # plain Python attributes of modules: snapshot, changes, lines
         "rewrites",  # the rewrite that takes a data-dependent decision out of Python
         "sources",  # a source file parsed once: nodes, parents, expressions by span
         "runs",  # one forward and backward, its cotangents and typed results

@@ -28,7 +28,7 @@ import tempfile
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -39,7 +39,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..gpus import version_tuple
-from . import calls, control_flow, global_state, options, processes
+from . import calls, control_flow, global_state, options, processes, python_attributes
 from .comparison import (
     as_bits,
     bitwise_equal,
@@ -408,8 +408,14 @@ def _recorded_run(subject: Subject, cotangents: Cotangents) -> _RecordedRun:
 
 
 def _first_op_difference(
-    a: list[_OpRecord], b: list[_OpRecord], other_threads: bool = False
+    a: list[_OpRecord],
+    b: list[_OpRecord],
+    other_threads: bool = False,
+    changed: Sequence[python_attributes.AttributeChange] = (),
 ) -> str | None:
+    """Where the op records part; ``changed``: the Python attributes a run changes, the
+    likely source of a difference that no earlier op explains."""
+    attributes = ", ".join(change.name for change in changed)
     for index, (x, y) in enumerate(zip(a, b, strict=False)):
         number = index + 1
         if x.op != y.op:
@@ -417,14 +423,20 @@ def _first_op_difference(
                 f"the runs stop doing the same ops at op #{number}: {x.op} ({x.site}) in run 1, "
                 f"{y.op} ({y.site}) in run 2; every op before it computed identical values, "
                 "so the branch was decided by something outside torch's ops "
-                "(the clock, the OS, a generator or global state the check does not reset)"
+                + (
+                    f"(the Python attributes the forward changes: {attributes}, above)"
+                    if changed
+                    else "(the clock, the OS, a generator or global state the check does not reset)"
+                )
             )
         if x.inputs != y.inputs:
             argument = next(
                 i for i, (p, q) in enumerate(zip(x.inputs, y.inputs, strict=False)) if p != q
             )
             source = (
-                "ops on other threads, which the recorder does not see"
+                f"the Python attributes the forward changes between runs ({attributes}, above)"
+                if changed
+                else "ops on other threads, which the recorder does not see"
                 if other_threads
                 else "outside torch's ops (NumPy, Python's random, the clock, the OS, a tensor "
                 "built from Python values)"
@@ -458,7 +470,12 @@ def _first_op_difference(
     return None
 
 
-def _localize(subject: Subject, cotangents: Cotangents, attempts: int) -> list[str]:
+def _localize(
+    subject: Subject,
+    cotangents: Cotangents,
+    attempts: int,
+    changed: Sequence[python_attributes.AttributeChange] = (),
+) -> list[str]:
     """Rerun under the recorders until a rerun differs from the first; say where.
 
     A rerun whose values differ but whose branches agree is kept, and reruns go on
@@ -473,7 +490,7 @@ def _localize(subject: Subject, cotangents: Cotangents, attempts: int) -> list[s
         threads.update(other.threads)
         divergence = control_flow.first_divergence(reference.decisions, other.decisions)
         op_difference = _first_op_difference(
-            reference.recorder.ops, other.recorder.ops, bool(threads)
+            reference.recorder.ops, other.recorder.ops, bool(threads), changed
         )
         if divergence or (op_difference and not found):
             found = [
@@ -670,8 +687,12 @@ def autograd_determinism(
     subject = Subject(model_or_fn, inputs, kwargs, failure=DeterminismFailure)
     cotangents = Cotangents(cotangent_seed)
     payload = b""
+    attributes = python_attributes.snapshot(subject.named_modules())
     try:
         reference = _run(subject, cotangents)
+        changed = python_attributes.changes(
+            attributes, python_attributes.snapshot(subject.named_modules())
+        )
         if cross_process:
             payload = _child_payload(subject, cotangents)
         for run in range(2, runs + 1):
@@ -695,7 +716,10 @@ def autograd_determinism(
                         "seeds, lazily initialized state)."
                     )
                 else:
-                    lines.extend(_localize(subject, cotangents, attempts=max(runs, 3)))
+                    lines += python_attributes.described(
+                        changed, "so each run starts from other values"
+                    )
+                    lines.extend(_localize(subject, cotangents, max(runs, 3), changed))
                 raise DeterminismFailure("\n".join(lines))
     except _NondeterministicOpRaised as raised:
         raise _nondeterministic_op_error(subject, cotangents, raised) from None

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from .. import control_flow, options, torch_logs
+from .. import control_flow, options, python_attributes, torch_logs
 from ..calls import forward_kwargs_of, input_sets, reject_unknown_keywords
 from ..comparison import DEFAULT_TOLERANCES, close_mismatch, differing, tolerances_for
 from ..failures import CheckFailure, most_fundamental, quoted
@@ -55,7 +55,7 @@ from ..naming import describe_callable
 from ..runs import Cotangents, Phase, Run, RunProgress, run_once
 from ..subject import Subject
 from .graph_breaks import graph_break_records, graph_breaks, raised_graph_break, traced_frames
-from .recompiles import recompiles, refused_recompile
+from .recompiles import InputSet, recompiles, refused_recompile
 from .results import (
     CompileCheckFailure,
     CompileCheckResult,
@@ -130,9 +130,16 @@ _SIDES = ("eager", "compiled")
 
 
 def _mismatch(
-    eager: Run, compiled: Run, rtol: float | None, atol: float | None, input_set: int
+    eager: Run,
+    compiled: Run,
+    rtol: float | None,
+    atol: float | None,
+    input_set: int,
+    changed: Sequence[python_attributes.AttributeChange],
 ) -> CompileMismatch | None:
-    """The compiled run's first result that differs from eager's, the others listed."""
+    """The compiled run's first result that differs from eager's, the others listed;
+    ``changed``: the Python attributes the eager run changed, so the compiled run started
+    from other values (the likely cause, named)."""
 
     def close(a: Any, b: Any) -> bool:
         return close_mismatch("", a, b, rtol, atol, _SIDES) is None
@@ -161,6 +168,9 @@ def _mismatch(
             f"  also differ: {', '.join(others[:_LISTED])}"
             + (f" and {more} more" if more > 0 else "")
         )
+    lines += python_attributes.described(
+        changed, "so the compiled run started from other values than eager's"
+    )
     return CompileMismatch(
         "\n".join(lines),
         name=str(key),
@@ -252,6 +262,8 @@ def compile_check(
     decisions: list[control_flow.Decision] = []
     compared: set[str] = set()
     mismatch = None
+    recompilations: list[Recompile] = []
+    seen: set[tuple[object, str]] = set()
     with (
         torch_logs.quiet(),
         _fresh_compiler(backend, strict_breaks=max_graph_breaks == 0),
@@ -262,9 +274,18 @@ def compile_check(
             subject = Subject(model_or_fn, arguments, kwargs, failure=CompileCheckFailure)
             cotangents = Cotangents(0)
             try:
+                before_eager = python_attributes.snapshot(subject.named_modules())
                 with control_flow.record_decisions() as log:
                     eager = _eager_run(subject, cotangents)
                 decisions.extend(log)
+                before_compiled = python_attributes.snapshot(subject.named_modules())
+                input_set = InputSet(
+                    number,
+                    decisions,
+                    log,
+                    dict(subject.named_inputs(subject.args, subject.kwargs)),
+                    before_compiled,
+                )
                 progress = RunProgress()
                 try:
                     with (
@@ -282,9 +303,8 @@ def compile_check(
                         error,
                         progress.phase,
                         backend_name,
-                        number,
                         above,
-                        decisions,
+                        input_set,
                         strict_breaks=max_graph_breaks == 0,
                         forward_line=functools.partial(
                             _forward_line, subject, cotangents, compiled_target
@@ -292,13 +312,20 @@ def compile_check(
                     ) from None
             finally:
                 subject.reset()
-            mismatch = _mismatch(eager, compiled, rtol, atol, number)
+            recompilations += recompiles(seen, input_set)
+            mismatch = _mismatch(
+                eager,
+                compiled,
+                rtol,
+                atol,
+                number,
+                python_attributes.changes(before_eager, before_compiled),
+            )
             compared.update(str(key) for key in eager.values)
             del eager, compiled
             if mismatch is not None:  # the budgets count what ran until then
                 break
         breaks = tuple(graph_breaks(records.records, decisions))
-        recompilations = tuple(recompiles(decisions))
     # A wrong result first; then graph breaks before recompilations: a break splits the
     # code into frames compiled and guarded each on its own, so breaks change where
     # recompilations happen, not the other way round.
@@ -308,7 +335,9 @@ def compile_check(
             for found in (
                 mismatch,
                 _over_budget(breaks, max_graph_breaks, "max_graph_breaks", TooManyGraphBreaks),
-                _over_budget(recompilations, max_recompiles, "max_recompiles", TooManyRecompiles),
+                _over_budget(
+                    tuple(recompilations), max_recompiles, "max_recompiles", TooManyRecompiles
+                ),
             )
             if found is not None
         ]
@@ -321,7 +350,7 @@ def compile_check(
         input_sets=len(sets),
         compared=tuple(sorted(compared)),
         graph_breaks=breaks,
-        recompiles=recompilations,
+        recompiles=tuple(recompilations),
         seconds=time.perf_counter() - started,
     )
 
@@ -375,9 +404,8 @@ def _compiled_failure(
     error: Exception,
     phase: Phase,
     backend: str,
-    number: int,
     above: tuple[tuple[str, int], ...],
-    decisions: Sequence[control_flow.Decision],
+    input_set: InputSet,
     *,
     strict_breaks: bool,
     forward_line: Callable[[], CallPath],
@@ -389,14 +417,15 @@ def _compiled_failure(
     """
     from torch._dynamo.exc import TorchDynamoException
 
-    found = raised_graph_break(error, above, decisions) if strict_breaks else None
+    number = input_set.number
+    found = raised_graph_break(error, above, input_set.decisions) if strict_breaks else None
     if found is not None:
         return TooManyGraphBreaks(
             f"a graph break, and max_graph_breaks=0 allows none (torch.compile stopped at "
             f"it: torch._dynamo.error_on_graph_break):\n{indented(found)}",
             (found,),
         )
-    recompile = refused_recompile(error, decisions)
+    recompile = refused_recompile(error, input_set)
     if recompile is not None:
         return TooManyRecompiles(
             f"a recompilation for input set {number}, and max_recompiles=0 allows none "

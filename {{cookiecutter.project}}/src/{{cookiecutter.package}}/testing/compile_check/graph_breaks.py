@@ -11,6 +11,7 @@ where there is one (:mod:`..rewrites`).
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import dataclasses
 import functools
@@ -27,6 +28,7 @@ import torch
 from .. import control_flow
 from ..frames import Origin, call_path, origin, stack_frames, traceback_frames
 from ..rewrites import rewrite
+from ..sources import parsed
 from .results import EagerFallback, GraphBreak
 
 __all__ = ["graph_break_records", "graph_breaks", "raised_graph_break", "traced_frames"]
@@ -47,6 +49,23 @@ _PARENTHESES = re.compile(r"\s*\((?:[^()`]|`[^`]*`)+\)")
 # torch's hints that tell the user nothing about their code.
 _GENERIC_HINTS = ("report an issue", "file an issue", "unlikely that dynamo will ever")
 _DATA_DEPENDENT_BRANCHING = "Data-dependent branching"
+# Breaks on an op whose output size depends on the data, and the aten op torch names
+# for it (``aten.nonzero.default``) mapped to what a user calls (boolean masks too).
+_SIZE_BREAKS = ("Dynamic shape operator",)
+_ATEN_OP = re.compile(r"aten\.(?P<op>\w+)\.")
+_SIZE_OPS = {
+    "nonzero": ("nonzero", "argwhere", "where", "masked_select", "nonzero_static"),
+    "_unique2": ("unique",),
+    "unique_dim": ("unique",),
+    "unique_consecutive": ("unique_consecutive",),
+    "repeat_interleave": ("repeat_interleave",),
+    "masked_select": ("masked_select",),
+    "bincount": ("bincount",),
+}
+# Breaks on reading a tensor's value into Python, and the calls that read one.
+_VALUE_BREAKS = ("Data dependent operator", "Tensor.tolist() with non-integer tensor")
+_ITEM_BREAK = "Unsupported Tensor.item() call"
+_VALUE_OPS = ("item", "tolist", "int", "float", "bool")
 _BACKEND_EXCEPTION = "Backend compiler exception"
 
 
@@ -193,7 +212,7 @@ def _graph_break(
     graph_break = GraphBreak(
         kind=kind,
         gb_id=gb_id,
-        explanation=_one_line(kind, explanation),
+        explanation=_data_dependent_op(kind, explanation, location) or _one_line(kind, explanation),
         location=location,
         source=location.source,
         path=path,
@@ -262,6 +281,71 @@ def _one_line(kind: str, explanation: str) -> str:
     if sentences and kind.lower() in sentences[0].lower():  # "Detected data-dependent branching"
         sentences = sentences[1:]
     return ". ".join(sentences)
+
+
+def _data_dependent_op(kind: str, text: str, where: control_flow.Location) -> str | None:
+    """Which op of the user's line makes a value or a size from a tensor's data, in
+    words (``x.nonzero()`` makes a size that depends on the data), for a break on such an
+    op; ``None`` for another break. torch names the aten op it met
+    (``aten.nonzero.default``, also for ``x[mask]``), which is not the user's."""
+    if kind in _SIZE_BREAKS:
+        op = _ATEN_OP.search(text)
+        names = _SIZE_OPS.get(op["op"] if op else "", ())
+        found = _expression(where, names, mask=True)
+        makes = "makes a size that depends on the data"
+        if found is None:
+            return f"an op of this line {makes}"
+        expression, how = found
+        if how == "mask":
+            return (
+                f"the boolean-mask indexing `{expression}` {makes} (as many elements as the "
+                "mask holds)"
+            )
+        return f"`{expression}` {makes}"
+    if kind in _VALUE_BREAKS or kind.startswith(_ITEM_BREAK):
+        found = _expression(where, _VALUE_OPS, mask=False)
+        reads = "reads a tensor's value into Python"
+        if found is None:
+            return f"this line {reads}"
+        expression, how = found
+        if how == "loop":
+            return f"the loop over `{expression}` reads a tensor's values into Python"
+        return f"`{expression}` {reads}"
+    return None
+
+
+def _expression(
+    where: control_flow.Location, names: Sequence[str], *, mask: bool
+) -> tuple[str, str] | None:
+    """The first expression of ``where``'s line calling one of ``names`` (a method,
+    ``torch.<name>`` or a builtin ``int``/``float``/``bool``), or a boolean-mask index
+    when ``mask``; with how it was found (``call``, ``mask``, ``loop``: a ``for`` over it)."""
+    source = parsed(where.filename)
+    if source is None:
+        return None
+    nodes = sorted(
+        (
+            node
+            for node in ast.walk(source.tree)
+            if getattr(node, "lineno", None) == where.line and isinstance(node, ast.expr)
+        ),
+        key=lambda node: node.col_offset,
+    )
+    for node in nodes:
+        called = (
+            node.func.attr
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            else node.func.id
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+            else None
+        )
+        if called in names:
+            loop = source.parents.get(node)
+            how = "loop" if isinstance(loop, ast.For) and loop.iter is node else "call"
+            return ast.unparse(node), how
+        if mask and isinstance(node, ast.Subscript) and isinstance(node.slice, ast.Compare):
+            return ast.unparse(node), "mask"
+    return None
 
 
 def traced_frames(error: BaseException | None) -> list[tuple[str, int]]:

@@ -444,7 +444,7 @@ class Checker:
             self.method,
             (self.rtol, self.atol),
         )
-        cost, checked = None, ""
+        cost, checked, nested = None, "", ""
         with RankProcesses(self.job, self.method) as launch:
             try:
                 launch.start()
@@ -452,18 +452,20 @@ class Checker:
                 remedy._train(launch)
                 remedy._wait_reference(launch, lambda: remedy.reference_info is not None)
                 later = remedy._findings()
-                checked = (
-                    "checked here: the ranks then agree with one process on the concatenated batch"
-                    if later is None
-                    else "checked here, and then: "
-                    f"{type(later).__name__}: {str(later).splitlines()[0]}"
-                )
+                if later is None:
+                    checked = (
+                        "checked here: the ranks then agree with one process on the "
+                        "concatenated batch"
+                    )
+                else:
+                    checked = "checked here, and then:"
+                    nested = f"{type(later).__name__}: {later}"
                 unused = remedy._unused() or unused
                 cost = remedy._cost(launch)
                 reasons = remedy._unused_reasons(unused, launch)
             except RanksEnded as stop:
                 reasons = {}
-                checked = f"checked here, and then: {str(stop.failure).splitlines()[0]}"
+                checked, nested = "checked here, and then:", str(stop.failure)
         lines = [
             f"under DistributedDataParallel(find_unused_parameters=False), {len(unused)} of "
             f"{len(self.names)} parameters of {self.subject} got no gradient on some ranks, so "
@@ -487,6 +489,8 @@ class Checker:
             + (f"; on this model: {cost}" if cost is not None else "")
             + (f"; {checked}" if checked else "")
         )
+        # The failure the remedy runs into, whole: its cause and fix are the next step.
+        lines += [f"      {line}" for line in nested.splitlines()]
         lines.append(
             "  - or touch every parameter in every step, so that none is ever unused: where the "
             "forward skips a module, add 0.0 * sum(p.sum() for p in module.parameters()) to "
