@@ -361,15 +361,19 @@ class Coverage:
         return {"sites": [site.to_json() for site in self.ordered()]}
 
     def looked_in(self) -> str:
-        """The folders and files whose decisions count, and those left out, as a sentence."""
-        counted = ", ".join(
-            self._shown(path.rstrip(os.sep)) for path in (*self.sources, *sorted(self.source_files))
-        )
-        left_out = ", ".join(
-            self._shown(path.rstrip(os.sep))
-            for path in (*self.excluded, *sorted(self.excluded_files))
-        )
-        return f"looked in {counted}" + (f" (not in {left_out})" if left_out else "")
+        """The folders and files whose decisions count, each folder with what in it does not,
+        as a phrase."""
+        places = []
+        for folder in self.sources:
+            left_out = sorted(
+                os.path.relpath(path, folder) + (os.sep if path in self.excluded else "")
+                for path in (*self.excluded, *self.excluded_files)
+                if path.startswith(folder)
+            )
+            less = f" (not {', '.join(left_out)})" if left_out else ""
+            places.append(self._shown(folder.rstrip(os.sep)) + less)
+        places.extend(self._shown(path) for path in sorted(self.source_files))
+        return "looked in " + "; ".join(places)
 
     def report_lines(self, tests_shown: int = 3) -> list[str]:
         lines = [
@@ -642,6 +646,17 @@ class ChildRecording:
     excluded: tuple[str, ...]
     test: str
     folder: str
+
+    def to_text(self) -> str:
+        """As one line of JSON (for a command line); :meth:`from_text` reads it back."""
+        return json.dumps(
+            [list(self.sources), self.root, list(self.excluded), self.test, self.folder]
+        )
+
+    @classmethod
+    def from_text(cls, text: str) -> ChildRecording:
+        sources, root, excluded, test, folder = json.loads(text)
+        return cls(tuple(sources), root, tuple(excluded), test, folder)
 
 
 def for_child(folder: Path) -> ChildRecording | None:
