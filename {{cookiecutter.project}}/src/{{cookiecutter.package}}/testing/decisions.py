@@ -495,15 +495,24 @@ class _CoverageRecorder(DecisionMode):
         if measured is None and func is not torch.Tensor.unbind:
             return
         # Called by DecisionMode.__torch_function__, itself called for the line.
-        caller = _user_frame(sys._getframe(1))
-        if caller is None:
-            return
+        frame = sys._getframe(1)
         if measured is None:  # unbind: counted only as the passes of a loop over a tensor
-            if caller.f_code.co_filename == _TENSOR_FILE and caller.f_code.co_name == "__iter__":
+            caller = _user_frame(frame)
+            if (
+                caller is not None
+                and caller.f_code.co_filename == _TENSOR_FILE
+                and caller.f_code.co_name == "__iter__"
+            ):
                 self._record(_TENSOR_LOOP, len(result), caller.f_back)
             return
+        # Past torch's Python wrappers too (torch.unique is one): the user's line.
+        caller = frame
+        while caller is not None and (
+            caller.f_code.co_name in MODE_HANDLERS or caller.f_code.co_filename.startswith(TORCH_DIR)
+        ):
+            caller = caller.f_back
         op, measure = measured
-        if self.coverage.display_path(caller.f_code.co_filename) is not None:
+        if caller is not None and self.coverage.display_path(caller.f_code.co_filename):
             size = measure(args, kwargs or {}, result)
             if size is not None:
                 self._record(op, size, caller)
