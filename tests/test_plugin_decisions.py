@@ -693,7 +693,8 @@ def test_the_projects_plumbing_is_no_source_and_an_empty_report_says_where_it_lo
     )
     metrics = package / "_metrics.py"
     given = plugin_pytester.runpytest_subprocess(
-        "-p", PLUGIN_MODULE, "-p", "no:cacheprovider", "--decisions-source", str(metrics)
+        # One argument: pytest takes a separate absolute path for a rootdir candidate.
+        "-p", PLUGIN_MODULE, "-p", "no:cacheprovider", f"--decisions-source={metrics}"
     )
     assert given.ret == 0, given.stdout.str()
     given.stdout.fnmatch_lines([f"{metrics}:*: return self.total().item() / max(self.count, 1)"])
