@@ -635,9 +635,7 @@ def test_decisions_in_ddp_ranks_count_for_the_test(plugin_pytester, workers):
 
 
 def test_a_single_process_sees_one_side(plugin_pytester):
-    result = routed_session(
-        plugin_pytester, {"test_ddp": DDP_TESTS}, "-k", "test_one_process"
-    )
+    result = routed_session(plugin_pytester, {"test_ddp": DDP_TESTS}, "-k", "test_one_process")
     assert result.ret == 0, result.stdout.str()
     result.stdout.fnmatch_lines([SAMPLE_GATE, "    branch: True x2, False x0 (never False)"])
 
@@ -657,9 +655,7 @@ def test_the_fresh_process_of_autograd_determinism_counts(plugin_pytester):
     """Three runs, the last in a fresh interpreter: three decisions."""
     result = routed_session(plugin_pytester, {"test_determinism": DETERMINISM_TESTS})
     assert result.ret == 0, result.stdout.str()
-    result.stdout.fnmatch_lines(
-        [GATE_LINE, "    branch: True x0, False x3 (never True)"]
-    )
+    result.stdout.fnmatch_lines([GATE_LINE, "    branch: True x0, False x3 (never True)"])
 
 
 PLUMBING_TESTS = f"""
@@ -694,7 +690,7 @@ def test_the_projects_plumbing_is_no_source_and_an_empty_report_says_where_it_lo
     metrics = package / "_metrics.py"
     given = plugin_pytester.runpytest_subprocess(
         # One argument: pytest takes a separate absolute path for a rootdir candidate.
-        "-p", PLUGIN_MODULE, "-p", "no:cacheprovider", f"--decisions-source={metrics}"
+        *("-p", PLUGIN_MODULE, "-p", "no:cacheprovider", f"--decisions-source={metrics}")
     )
     assert given.ret == 0, given.stdout.str()
     given.stdout.fnmatch_lines([f"{metrics}:*: return self.total().item() / max(self.count, 1)"])

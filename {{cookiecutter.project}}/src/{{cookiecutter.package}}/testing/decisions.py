@@ -508,7 +508,8 @@ class _CoverageRecorder(DecisionMode):
         # Past torch's Python wrappers too (torch.unique is one): the user's line.
         caller = frame
         while caller is not None and (
-            caller.f_code.co_name in MODE_HANDLERS or caller.f_code.co_filename.startswith(TORCH_DIR)
+            caller.f_code.co_name in MODE_HANDLERS
+            or caller.f_code.co_filename.startswith(TORCH_DIR)
         ):
             caller = caller.f_back
         op, measure = measured
