@@ -12,7 +12,7 @@ import os
 import sys
 
 import pytest
-from conftest import PLUGIN_MODULE
+from conftest import DEFAULT_PACKAGE, PLUGIN_MODULE
 from filesystems import READ_ONLY, in_private_mounts
 
 GATED_MODEL = """
@@ -403,3 +403,294 @@ def test_a_report_into_a_read_only_folder(plugin_pytester):
     assert "1 passed" in lines[-1]
     assert "Traceback" not in result.stdout + result.stderr
     assert list(reports.iterdir()) == []
+
+
+# --- routed models, the processes checks start, and the default scope -------------------
+#
+# These sessions keep their models and tests in the project's tests/ folder, which counts
+# without --decisions-source.
+
+ROUTED_MODELS = """
+import torch
+from torch import nn
+
+
+class TopKMoE(nn.Module):
+    def __init__(self, experts=4, dim=8, top_k=2):
+        super().__init__()
+        self.router = nn.Linear(dim, experts)
+        self.experts = nn.ModuleList(nn.Linear(dim, dim) for _ in range(experts))
+        self.top_k = top_k
+
+    def forward(self, x):
+        weights, expert_ids = self.router(x).softmax(-1).topk(self.top_k, dim=-1)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            idx, slot = (expert_ids == e).nonzero(as_tuple=True)
+            if idx.numel() == 0:
+                continue
+            out.index_add_(0, idx, weights[idx, slot, None] * expert(x[idx]))
+        return out
+
+
+class EarlyExit(nn.Module):
+    def __init__(self, dim=8, max_steps=4):
+        super().__init__()
+        self.halting = nn.Linear(dim, 1)
+        self.layer = nn.Linear(dim, dim)
+        self.max_steps = max_steps
+
+    def forward(self, x):
+        steps = self.halting(x).sigmoid().mean() * self.max_steps
+        for _ in range(int(steps.ceil())):
+            x = torch.tanh(self.layer(x))
+        return x
+
+
+class Gated(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.mean() > 0:
+            return torch.relu(self.linear(x))
+        return torch.tanh(self.linear(x))
+
+
+class PerSample(Gated):
+    def forward(self, x):
+        rows = []
+        for row in x:
+            rows.append(torch.relu(self.linear(row)) if row.mean() > 0 else self.linear(row))
+        return torch.stack(rows)
+"""
+
+ROUTED_TESTS = """
+import pytest
+import torch
+from routed import EarlyExit, TopKMoE
+
+
+def moe(dead_expert):
+    model = TopKMoE()
+    if dead_expert:  # the router never picks expert 3: it trains on nothing
+        with torch.no_grad():
+            model.router.bias[3] = -100.0
+    return model
+
+
+@pytest.mark.parametrize("batch", [6, 16])
+def test_moe(batch, dead_expert):
+    torch.manual_seed(0)
+    moe(dead_expert)(torch.randn(batch, 8))
+
+
+@pytest.mark.parametrize("halting", [-5.0, 0.0, 5.0])
+def test_early_exit(halting):
+    torch.manual_seed(0)
+    model = EarlyExit()
+    with torch.no_grad():
+        model.halting.bias.fill_(halting)
+    model(torch.randn(3, 8))
+"""
+
+EXPERT_LINE = "tests/routed.py:17: idx, slot = (expert_ids == e).nonzero(as_tuple=True)"
+
+
+def routed_session(pytester: pytest.Pytester, tests: dict[str, str], *args: str):
+    folder = pytester.path / "tests"
+    folder.mkdir()
+    (folder / "routed.py").write_text(ROUTED_MODELS)
+    for name, text in tests.items():
+        (folder / f"{name}.py").write_text(text)
+    return pytester.runpytest_subprocess(
+        "-p", PLUGIN_MODULE, "-p", "no:cacheprovider", "--decisions", "tests", *args
+    )
+
+
+@pytest.mark.parametrize("dead_expert", [False, True], ids=["every expert", "a dead expert"])
+def test_data_dependent_sizes_say_how_often_they_were_empty(plugin_pytester, dead_expert):
+    """The top-k MoE's per-expert nonzero is a size row: with every expert chosen it is
+    never 0; with a router that never picks expert 3, one call in four is."""
+    conftest = f"import pytest\n\n@pytest.fixture\ndef dead_expert():\n    return {dead_expert}\n"
+    result = routed_session(
+        plugin_pytester,
+        {"conftest": conftest, "test_routed": ROUTED_TESTS},
+        "--decisions-json",
+        "decisions.json",
+    )
+    assert result.ret == 0, result.stdout.str()
+    sizes = (
+        "    size: 0 to * in 8 calls; 0 in 2 of 8 calls (an empty result: the code that uses it "
+        "ran on no rows there)"
+        if dead_expert
+        else "    size: * to * in 8 calls; never 0 (no test had it select nothing)"
+    )
+    result.stdout.fnmatch_lines(
+        [
+            EXPERT_LINE,
+            sizes,
+            "    reached by 2 test(s): tests/test_routed.py::test_moe[16], "
+            "tests/test_routed.py::test_moe[6]",
+            "tests/routed.py:33: for _ in range(int(steps.ceil())):",
+            "    loop count: 3 values, min 1, max 4, 3 distinct",
+        ]
+    )
+    sites = json.loads((plugin_pytester.path / "decisions.json").read_text())["sites"]
+    (size,) = [site for site in sites if site["kind"] == "size"]
+    assert size["ops"] == ["Tensor.nonzero"]
+    assert size["outcomes"]["count"] == 8
+    assert size["outcomes"]["zeros"] == (2 if dead_expert else 0)
+    assert (size["outcomes"]["min"] == 0) == dead_expert
+
+
+def test_sizes_of_masks_unique_and_loops_over_a_tensor(plugin_pytester):
+    plugin_pytester.makepyfile(
+        sized="""
+import torch
+
+
+def selected(x):
+    kept = x[x > 0]
+    labels = torch.unique(kept.round())
+    for label in labels:
+        kept = kept + label
+    return torch.where(x > 1)[0], torch.masked_select(x, x < -5)
+""",
+        test_sized="""
+import torch
+from sized import selected
+
+
+def test_selected():
+    torch.manual_seed(0)
+    selected(torch.tensor([0.5, 2.0, -1.0, 3.2]))
+""",
+    )
+    result = plugin_pytester.runpytest_subprocess(
+        "-p", PLUGIN_MODULE, "-p", "no:cacheprovider", "--decisions-source", "sized.py"
+    )
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.fnmatch_lines(
+        [
+            "sized.py:5: kept = x[x > 0]",
+            "    size: 3 to 3 in 1 calls; never 0 *",
+            "sized.py:6: labels = torch.unique(kept.round())",
+            "    size: 3 to 3 in 1 calls; never 0 *",
+            "sized.py:7: for label in labels:",
+            "    loop count: 1 values, min 3, max 3, 1 distinct",
+            "sized.py:9: return torch.where(x > 1)[0], torch.masked_select(x, x < -5)",
+            # torch.where's 2 rows and masked_select's nothing, on one line
+            "    size: 0 to 2 in 2 calls; 0 in 1 of 2 calls *",
+        ]
+    )
+
+
+DDP_TESTS = """
+import torch
+from routed import PerSample
+
+
+def batches():
+    torch.manual_seed(1)
+    return torch.randn(2, 8) + 1.0, torch.randn(2, 8) - 1.0
+
+
+def test_ranks(ddp_check):
+    torch.manual_seed(0)
+    ddp_check(PerSample(), *batches(), steps=2)
+
+
+def test_one_process():
+    torch.manual_seed(0)
+    PerSample()(batches()[0])
+"""
+
+GATE_LINE = "tests/routed.py:44: if x.mean() > 0:"
+SAMPLE_LOOP = "tests/routed.py:52: for row in x:"
+SAMPLE_GATE = (
+    "tests/routed.py:53: rows.append(torch.relu(self.linear(row)) if row.mean() > 0 else "
+    "self.linear(row))"
+)
+
+
+@pytest.mark.parametrize("workers", [(), ("-n", "2")], ids=["one process", "xdist"])
+def test_decisions_in_ddp_ranks_count_for_the_test(plugin_pytester, workers):
+    """Rank 0's batch takes the branch, rank 1's not: both outcomes, for the test that ran
+    the check; the test that runs the model in its own process sees one side."""
+    result = routed_session(plugin_pytester, {"test_ddp": DDP_TESTS}, *workers)
+    assert result.ret == 0, result.stdout.str()
+    # Each rank's two samples in each of two steps, and the test's own forward.
+    result.stdout.fnmatch_lines(
+        [
+            SAMPLE_LOOP,
+            "    loop count: 5 values, min 2, max 2, 1 distinct",
+            SAMPLE_GATE,
+            "    branch: True x6, False x4",
+            "    reached by 2 test(s): tests/test_ddp.py::test_one_process, "
+            "tests/test_ddp.py::test_ranks",
+        ]
+    )
+
+
+def test_a_single_process_sees_one_side(plugin_pytester):
+    result = routed_session(plugin_pytester, {"test_ddp": DDP_TESTS}, "-k", "test_one_process")
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.fnmatch_lines([SAMPLE_GATE, "    branch: True x2, False x0 (never False)"])
+
+
+DETERMINISM_TESTS = """
+import torch
+from routed import Gated
+
+
+def test_fresh_process(autograd_determinism):
+    torch.manual_seed(0)
+    autograd_determinism(Gated(), torch.full((4, 8), -1.0), runs=3, cross_process=True)
+"""
+
+
+def test_the_fresh_process_of_autograd_determinism_counts(plugin_pytester):
+    """Three runs, the last in a fresh interpreter: three decisions."""
+    result = routed_session(plugin_pytester, {"test_determinism": DETERMINISM_TESTS})
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.fnmatch_lines([GATE_LINE, "    branch: True x0, False x3 (never True)"])
+
+
+PLUMBING_TESTS = f"""
+import torch
+from {DEFAULT_PACKAGE}._metrics import RunningMean
+
+
+def test_running_mean():
+    torch.manual_seed(0)
+    mean = RunningMean(torch.device("cpu"))
+    mean.add(torch.tensor(2.0), 4)
+    assert mean.value() == 2.0
+"""
+
+
+def test_the_projects_plumbing_is_no_source_and_an_empty_report_says_where_it_looked(
+    plugin_pytester, default_project
+):
+    """RunningMean.value's .item() is training plumbing (_metrics.py): not counted unless
+    given with --decisions-source; the empty report names the folders and the option."""
+    result = routed_session(plugin_pytester, {"test_plumbing": PLUMBING_TESTS})
+    assert result.ret == 0, result.stdout.str()
+    package = default_project / "src" / DEFAULT_PACKAGE
+    result.stdout.fnmatch_lines(
+        [
+            f"(no data-dependent decisions found: looked in {package} (not _checkpoint.py, "
+            "_command.py, _data.py, _digest.py, _files.py, _lifetime.py, _metrics.py, "
+            "_preemption.py, _progress.py, doctor.py, gpus.py, launch.py, testing/, train.py); "
+            "tests; add a folder or file with --decisions-source PATH)"
+        ]
+    )
+    metrics = package / "_metrics.py"
+    given = plugin_pytester.runpytest_subprocess(
+        # One argument: pytest takes a separate absolute path for a rootdir candidate.
+        *("-p", PLUGIN_MODULE, "-p", "no:cacheprovider", f"--decisions-source={metrics}")
+    )
+    assert given.ret == 0, given.stdout.str()
+    given.stdout.fnmatch_lines([f"{metrics}:*: return self.total().item() / max(self.count, 1)"])

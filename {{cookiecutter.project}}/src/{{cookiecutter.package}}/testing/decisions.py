@@ -14,7 +14,20 @@ the source folders, counts its outcome at that site:
   (True) and the exit (False);
 - a number read off a tensor (``.item()``, ``float()``, ``.tolist()``): count, min,
   max, distinct values;
-- a loop count (``range(int(n))``, a tensor used as an index count): the same.
+- a loop count (``range(int(n))``, a tensor used as an index count, ``for e in t:``
+  over a tensor): the same;
+- a data-dependent size: the length of the result of an op whose output shape
+  depends on the data (``nonzero``, ``x[mask]``, ``unique``, ... :data:`_SIZE_OPS`):
+  count, min, max, and how often it was 0. An empty result is where a routed model's
+  code runs on nothing (a mixture-of-experts expert that no token chose), so the
+  report says how often that happened.
+
+Decisions made in the processes a check starts for the test (``ddp_check``'s ranks,
+``autograd_determinism``'s fresh process) count for the test too: the check asks
+:func:`for_child` for the settings to hand over, the child records into its own
+:class:`Coverage` (:func:`child_coverage`) and writes it whole to the folder those
+settings name (:func:`save_for_parent`), and the check merges what the children wrote
+once they ended (:func:`merge_children`): a child killed before writing adds nothing.
 
 Evaluations a check makes at points of its own choosing (gradcheck's finite
 differences and branch search: :func:`.control_flow.probing`) are counted apart, in
@@ -33,19 +46,34 @@ import contextlib
 import dis
 import enum
 import functools
+import json
 import linecache
 import math
 import os
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
 
+import torch
+
+from .._files import write_atomically
 from .control_flow import MODE_HANDLERS, TORCH_DIR, DecisionMode, current_probe
 from .sources import ParsedSource, parsed
 
-__all__ = ["Coverage", "DecisionKind", "Site", "recording"]
+__all__ = [
+    "ChildRecording",
+    "Coverage",
+    "DecisionKind",
+    "Site",
+    "child_coverage",
+    "for_child",
+    "merge_children",
+    "recording",
+    "save_for_parent",
+]
 
 _BRANCH_OPS = frozenset({"Tensor.__bool__", "torch.is_nonzero", "torch.equal", "torch.allclose"})
 # Distinct values kept per site; past this the count is shown as "more than".
@@ -56,6 +84,7 @@ class DecisionKind(enum.Enum):
     BRANCH = "branch"
     NUMBER = "number"
     LOOP_COUNT = "loop count"
+    SIZE = "size"
 
 
 @dataclass
@@ -75,6 +104,7 @@ class Site:
     maximum: float = -math.inf
     distinct: set[float] = field(default_factory=set)
     distinct_overflow: bool = False
+    zeros: int = 0  # values that were 0 (a loop that ran no pass, an empty result)
     tests: set[str] = field(default_factory=set)
 
     @property
@@ -98,6 +128,7 @@ class Site:
             return
         for number in _numbers(value):
             self.count += 1
+            self.zeros += number == 0
             self.minimum = min(self.minimum, number)
             self.maximum = max(self.maximum, number)
             if len(self.distinct) < _DISTINCT_LIMIT:
@@ -114,6 +145,7 @@ class Site:
             self.probe_outcomes[outcome] = self.probe_outcomes.get(outcome, 0) + seen
         self.probes += other.probes
         self.count += other.count
+        self.zeros += other.zeros
         self.minimum = min(self.minimum, other.minimum)
         self.maximum = max(self.maximum, other.maximum)
         room = _DISTINCT_LIMIT - len(self.distinct)
@@ -135,14 +167,39 @@ class Site:
                 text += f"; at check probes: {probed}"
             return text
         probed = f"; {self.probes} more at check probes" if self.probes else ""
+        if self.kind is DecisionKind.SIZE:
+            return self._size_text() + probed
         if not self.count:
             return "no numbers" + probed
         distinct = (
             f"more than {len(self.distinct)}" if self.distinct_overflow else len(self.distinct)
         )
+        zeros = (
+            f", 0 in {self.zeros} of {self.count}"
+            if self.kind is DecisionKind.LOOP_COUNT and self.zeros
+            else ""
+        )
         return (
             f"{self.count} values, min {_number_text(self.minimum)}, "
-            f"max {_number_text(self.maximum)}, {distinct} distinct{probed}"
+            f"max {_number_text(self.maximum)}, {distinct} distinct{zeros}{probed}"
+        )
+
+    def _size_text(self) -> str:
+        if not self.count:
+            return "no sizes"
+        if self.zeros == self.count:
+            return (
+                f"0 in all {self.count} calls: the result was always empty, so the code "
+                "that uses it never ran on data"
+            )
+        sizes = (
+            f"{_number_text(self.minimum)} to {_number_text(self.maximum)} in {self.count} calls"
+        )
+        if not self.zeros:
+            return f"{sizes}; never 0 (no test had it select nothing)"
+        return (
+            f"{sizes}; 0 in {self.zeros} of {self.count} calls (an empty result: the code "
+            "that uses it ran on no rows there)"
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -165,6 +222,7 @@ class Site:
                 "min": _json_number(self.minimum) if self.count else None,
                 "max": _json_number(self.maximum) if self.count else None,
                 "distinct": len(self.distinct),
+                "zeros": self.zeros,
                 "distinct_values": (
                     [_json_number(value) for value in sorted(self.distinct)]
                     if not self.distinct_overflow
@@ -186,6 +244,7 @@ class Site:
             site.probe_outcomes = {outcome: probed[str(outcome)] for outcome in (True, False)}
         else:
             site.count = outcomes["count"]
+            site.zeros = outcomes["zeros"]
             if site.count:
                 site.minimum, site.maximum = float(outcomes["min"]), float(outcomes["max"])
             values = outcomes["distinct_values"]
@@ -218,21 +277,30 @@ def _number_text(number: float) -> str:
 def _kind(op: str, source: str) -> DecisionKind:
     if op in _BRANCH_OPS:
         return DecisionKind.BRANCH
-    if op == "Tensor.__index__" or "range(" in source:
+    if op in _SIZE_OP_NAMES:
+        return DecisionKind.SIZE
+    if op in ("Tensor.__index__", _TENSOR_LOOP) or "range(" in source:
         return DecisionKind.LOOP_COUNT
     return DecisionKind.NUMBER
 
 
 class Coverage:
-    """The decision sites of one pytest session, keyed by (path, line)."""
+    """The decision sites of one pytest session, keyed by (path, line, kind).
+
+    ``sources``: the folders and files whose decisions count; ``excluded``: folders and
+    files inside them that do not (a file given in ``sources`` counts all the same).
+    """
 
     def __init__(self, sources: Sequence[Path], root: Path, excluded: Sequence[Path] = ()) -> None:
+        self.given = (tuple(map(str, sources)), str(root), tuple(map(str, excluded)))
         resolved = [Path(source).resolve() for source in sources]
         self.source_files = {str(path) for path in resolved if path.is_file()}
         self.sources = tuple(f"{path}{os.sep}" for path in resolved if not path.is_file())
-        self.excluded = tuple(f"{Path(path).resolve()}{os.sep}" for path in excluded)
+        excluded_paths = [Path(path).resolve() for path in excluded]
+        self.excluded_files = {str(path) for path in excluded_paths if path.is_file()}
+        self.excluded = tuple(f"{path}{os.sep}" for path in excluded_paths if not path.is_file())
         self.root = root
-        self.sites: dict[tuple[str, int], Site] = {}
+        self.sites: dict[tuple[str, int, DecisionKind], Site] = {}
         self.test = ""
         self._in_source: dict[str, str | None] = {}
 
@@ -242,38 +310,48 @@ class Coverage:
             resolved = str(Path(filename).resolve())
             shown = None
             if resolved in self.source_files or (
-                resolved.startswith(self.sources) and not resolved.startswith(self.excluded)
+                resolved.startswith(self.sources)
+                and not resolved.startswith(self.excluded)
+                and resolved not in self.excluded_files
             ):
-                shown = os.path.relpath(resolved, self.root)
-                if shown.startswith(os.pardir):
-                    shown = resolved
+                shown = self._shown(resolved)
             self._in_source[filename] = shown
         return self._in_source[filename]
 
+    def _shown(self, path: str) -> str:
+        shown = os.path.relpath(path, self.root)
+        return path if shown.startswith(os.pardir) else shown
+
     def record(self, op: str, value: Any, filename: str, line: int, probe: bool = False) -> None:
         """Count one decision at ``filename:line``: ``value`` is what the op returned, for a
-        branch whether its condition held as written; ``probe``: made at a check's probe."""
+        branch whether its condition held as written, for a size the size; ``probe``: made
+        at a check's probe."""
         path = self.display_path(filename)
         if path is None:
             return
-        site = self.sites.get((path, line))
+        source = linecache.getline(filename, line).strip()
+        kind = _kind(op, source)
+        site = self.sites.get((path, line, kind))
         if site is None:
-            source = linecache.getline(filename, line).strip()
-            site = Site(path, line, _kind(op, source), source)
-            self.sites[(path, line)] = site
+            site = Site(path, line, kind, source)
+            self.sites[(path, line, kind)] = site
         site.add(op, value, self.test, probe)
 
     def merge_json(self, sites: list[dict[str, Any]]) -> None:
         for data in sites:
             other = Site.from_json(data)
-            site = self.sites.get((other.path, other.line))
+            key = (other.path, other.line, other.kind)
+            site = self.sites.get(key)
             if site is None:
-                self.sites[(other.path, other.line)] = other
+                self.sites[key] = other
             else:
                 site.merge(other)
 
     def ordered(self) -> list[Site]:
-        return sorted(self.sites.values(), key=lambda site: (site.path, site.line))
+        kinds = list(DecisionKind)
+        return sorted(
+            self.sites.values(), key=lambda site: (site.path, site.line, kinds.index(site.kind))
+        )
 
     def one_sided(self) -> list[Site]:
         """Branch sites that saw only one outcome."""
@@ -282,17 +360,39 @@ class Coverage:
     def to_json(self) -> dict[str, Any]:
         return {"sites": [site.to_json() for site in self.ordered()]}
 
+    def looked_in(self) -> str:
+        """The folders and files whose decisions count, each folder with what in it does not,
+        as a phrase."""
+        places = []
+        for folder in self.sources:
+            left_out = sorted(
+                os.path.relpath(path, folder) + (os.sep if path in self.excluded else "")
+                for path in (*self.excluded, *self.excluded_files)
+                if path.startswith(folder)
+            )
+            less = f" (not {', '.join(left_out)})" if left_out else ""
+            places.append(self._shown(folder.rstrip(os.sep)) + less)
+        places.extend(self._shown(path) for path in sorted(self.source_files))
+        return "looked in " + "; ".join(places)
+
     def report_lines(self, tests_shown: int = 3) -> list[str]:
         lines = [
             "Each row is a line of the project's code that turned tensor data into a Python "
             "value during the tests:",
             "branches count each outcome of the condition as written (True: `if not x:` ran its "
             "body; an outcome never seen is untested code); numbers and loop counts show their "
-            "range; evaluations a check makes at points of its own (gradcheck's finite "
-            "differences and branch search) are counted apart, at check probes.",
+            "range; sizes are the lengths of results whose shape depends on the data "
+            "(nonzero, x[mask], unique, ...), with how often one was 0 (empty: the code that "
+            "uses it ran on nothing); evaluations a check makes at points of its own "
+            "(gradcheck's finite differences and branch search) are counted apart, at check "
+            "probes.",
         ]
         if not self.sites:
-            return [*lines, "(no data-dependent decisions in the source folders)"]
+            return [
+                *lines,
+                f"(no data-dependent decisions found: {self.looked_in()}; add a folder or file "
+                "with --decisions-source PATH)",
+            ]
         for site in self.ordered():
             tests = sorted(site.tests)
             named = ", ".join(tests[:tests_shown])
@@ -303,35 +403,144 @@ class Coverage:
         return lines
 
 
+# --- data-dependent sizes ---------------------------------------------------------------
+
+
+def _rows(result: Any) -> int:
+    """The length of dimension 0 of a result, or of its first tensor (``as_tuple=True``)."""
+    first = result[0] if isinstance(result, tuple | list) else result
+    return first.shape[0] if first.dim() else 1
+
+
+def _length(result: Any, dim: int | None) -> int:
+    """The length of dimension ``dim`` of the (first) result; all of it when ``dim`` is None
+    (the op flattened its input)."""
+    first = result[0] if isinstance(result, tuple | list) else result
+    return first.numel() if dim is None else first.shape[dim]
+
+
+def _where_size(args: tuple, kwargs: dict, result: Any) -> int | None:
+    # torch.where(condition): the indices where it holds; the three-argument form selects
+    # elementwise and keeps the shape.
+    return _rows(result) if len(args) == 1 and not kwargs else None
+
+
+def _repeat_size(args: tuple, kwargs: dict, result: Any) -> int | None:
+    # torch.repeat_interleave(x, repeats) with repeats a tensor (or repeat_interleave(repeats)
+    # alone): as long as the repeats sum to; an int repeats fixes the size.
+    repeats = args[1] if len(args) > 1 else kwargs.get("repeats", args[0] if args else None)
+    if not isinstance(repeats, torch.Tensor):
+        return None
+    return _length(result, args[2] if len(args) > 2 else kwargs.get("dim"))
+
+
+def _unique_size(args: tuple, kwargs: dict, result: Any) -> int:
+    return _length(result, kwargs.get("dim"))
+
+
+def _mask_size(args: tuple, kwargs: dict, result: Any) -> int | None:
+    # x[mask] with one boolean tensor in the index: as many rows as the mask holds True
+    # (counted with torch functions off: no mode, this one or another, sees the count).
+    index = args[1] if len(args) > 1 else None
+    entries = index if isinstance(index, tuple) else (index,)
+    masks = [e for e in entries if isinstance(e, torch.Tensor) and e.dtype == torch.bool]
+    if len(masks) != 1:
+        return None
+    with torch._C.DisableTorchFunction():
+        return int(masks[0].count_nonzero())
+
+
+# Each op whose output's size depends on the data, by the name a report uses, with what
+# measures that size from its arguments and result (None: this call's size does not
+# depend on the data). Not here: nonzero_static (its size is given), and bincount, whose
+# length (the largest value + 1) is almost always fixed by its minlength.
+_SIZE_OPS: dict[Any, tuple[str, Any]] = {
+    torch.nonzero: ("torch.nonzero", lambda args, kwargs, result: _rows(result)),
+    torch.Tensor.nonzero: ("Tensor.nonzero", lambda args, kwargs, result: _rows(result)),
+    torch.argwhere: ("torch.argwhere", lambda args, kwargs, result: _rows(result)),
+    torch.Tensor.argwhere: ("Tensor.argwhere", lambda args, kwargs, result: _rows(result)),
+    torch.where: ("torch.where", _where_size),
+    torch.masked_select: ("torch.masked_select", lambda args, kwargs, r: r.numel()),
+    torch.Tensor.masked_select: ("Tensor.masked_select", lambda args, kwargs, r: r.numel()),
+    torch.unique: ("torch.unique", _unique_size),
+    torch.Tensor.unique: ("Tensor.unique", _unique_size),
+    torch.unique_consecutive: ("torch.unique_consecutive", _unique_size),
+    torch.Tensor.unique_consecutive: ("Tensor.unique_consecutive", _unique_size),
+    torch.repeat_interleave: ("torch.repeat_interleave", _repeat_size),
+    torch.Tensor.repeat_interleave: ("Tensor.repeat_interleave", _repeat_size),
+    torch.Tensor.__getitem__: ("Tensor.__getitem__[mask]", _mask_size),
+}
+_SIZE_OP_NAMES = frozenset(name for name, _ in _SIZE_OPS.values())
+# ``for e in t:`` over a tensor: Tensor.__iter__ skips torch function dispatch and calls
+# unbind(0), whose result's length is the loop's pass count.
+_TENSOR_LOOP = "Tensor.__iter__"
+_TENSOR_FILE = torch._tensor.__file__
+
+
 class _CoverageRecorder(DecisionMode):
     def __init__(self, coverage: Coverage) -> None:
         super().__init__()
         self.coverage = coverage
 
     def decided(self, op: str, args: tuple, result: Any, frame: FrameType) -> None:
-        # The line that made the decision: past other torch function modes and
-        # torch's Python dispatch to them.
-        caller: FrameType | None = frame
-        while caller is not None and (
-            caller.f_code.co_name in MODE_HANDLERS
-            or (
-                caller.f_code.co_filename.startswith(TORCH_DIR)
-                and caller.f_code.co_name in ("handle_torch_function", "_wrapped")
-            )
-        ):
-            caller = caller.f_back
-        if caller is None:
-            return
-        filename, line = caller.f_code.co_filename, caller.f_lineno
-        if self.coverage.display_path(filename) is None:
+        caller = _user_frame(frame)
+        if caller is None or self.coverage.display_path(caller.f_code.co_filename) is None:
             return  # not the project's code: nothing to count, nothing to read
         if op in _BRANCH_OPS:
             result = bool(result) != _negated(caller)
+        self._record(op, result, caller)
+
+    def computed(self, func: Any, args: tuple, kwargs: dict | None, result: Any) -> None:
+        measured = _SIZE_OPS.get(func)
+        if measured is None and func is not torch.Tensor.unbind:
+            return
+        # Called by DecisionMode.__torch_function__, itself called for the line.
+        frame = sys._getframe(1)
+        if measured is None:  # unbind: counted only as the passes of a loop over a tensor
+            caller = _user_frame(frame)
+            if (
+                caller is not None
+                and caller.f_code.co_filename == _TENSOR_FILE
+                and caller.f_code.co_name == "__iter__"
+            ):
+                self._record(_TENSOR_LOOP, len(result), caller.f_back)
+            return
+        # Past torch's Python wrappers too (torch.unique is one): the user's line.
+        caller = frame
+        while caller is not None and (
+            caller.f_code.co_name in MODE_HANDLERS
+            or caller.f_code.co_filename.startswith(TORCH_DIR)
+        ):
+            caller = caller.f_back
+        op, measure = measured
+        if caller is not None and self.coverage.display_path(caller.f_code.co_filename):
+            size = measure(args, kwargs or {}, result)
+            if size is not None:
+                self._record(op, size, caller)
+
+    def _record(self, op: str, value: Any, caller: FrameType | None) -> None:
+        if caller is None or self.coverage.display_path(caller.f_code.co_filename) is None:
+            return
+        filename, line = caller.f_code.co_filename, caller.f_lineno
         probe = current_probe()
         if probe is None:
-            self.coverage.record(op, result, filename, line)
+            self.coverage.record(op, value, filename, line)
         else:
-            probe.defer(functools.partial(self.coverage.record, op, result, filename, line, True))
+            probe.defer(functools.partial(self.coverage.record, op, value, filename, line, True))
+
+
+def _user_frame(frame: FrameType | None) -> FrameType | None:
+    """The frame of the line that made a decision: past other torch function modes and
+    torch's Python dispatch to them."""
+    while frame is not None and (
+        frame.f_code.co_name in MODE_HANDLERS
+        or (
+            frame.f_code.co_filename.startswith(TORCH_DIR)
+            and frame.f_code.co_name in ("handle_torch_function", "_wrapped")
+        )
+    ):
+        frame = frame.f_back
+    return frame
 
 
 # --- a branch's outcome as its condition is written -----------------------------------------
@@ -417,7 +626,86 @@ def _negations(code: CodeType, offset: int, line: int) -> int:
 
 @contextlib.contextmanager
 def recording(coverage: Coverage, test: str) -> Iterator[None]:
-    """Count the decisions ``test`` makes inside the block into ``coverage``."""
+    """Count the decisions ``test`` makes inside the block into ``coverage``; the processes
+    a check starts meanwhile count theirs into it too (:func:`for_child`)."""
+    global _ACTIVE
+    outer, _ACTIVE = _ACTIVE, coverage
     coverage.test = test
-    with _CoverageRecorder(coverage):
-        yield
+    try:
+        with _CoverageRecorder(coverage):
+            yield
+    finally:
+        _ACTIVE = outer
+
+
+# The coverage recording the running test in this process, None when none does.
+_ACTIVE: Coverage | None = None
+
+
+# --- decisions of the processes a check starts ------------------------------------------
+
+
+@dataclass(frozen=True)
+class ChildRecording:
+    """What a process a check starts needs to count its decisions for the running test: the
+    coverage's settings, the test's id, and the folder its record goes to (plain values:
+    it pickles into a spawned process)."""
+
+    sources: tuple[str, ...]
+    root: str
+    excluded: tuple[str, ...]
+    test: str
+    folder: str
+
+    def to_text(self) -> str:
+        """As one line of JSON (for a command line); :meth:`from_text` reads it back."""
+        return json.dumps(
+            [list(self.sources), self.root, list(self.excluded), self.test, self.folder]
+        )
+
+    @classmethod
+    def from_text(cls, text: str) -> ChildRecording:
+        sources, root, excluded, test, folder = json.loads(text)
+        return cls(tuple(sources), root, tuple(excluded), test, folder)
+
+
+def for_child(folder: Path) -> ChildRecording | None:
+    """In a check's process, before it starts a child: what to hand the child, with
+    ``folder`` (made here) for its record; None when no test's decisions are recorded."""
+    if _ACTIVE is None:
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    sources, root, excluded = _ACTIVE.given
+    return ChildRecording(sources, root, excluded, _ACTIVE.test, str(folder))
+
+
+def child_coverage(settings: ChildRecording) -> Coverage:
+    """In the child: an empty coverage of the same sources, counting for the same test
+    (record into it with :func:`recording`)."""
+    coverage = Coverage(
+        [Path(source) for source in settings.sources],
+        Path(settings.root),
+        [Path(path) for path in settings.excluded],
+    )
+    coverage.test = settings.test
+    return coverage
+
+
+def save_for_parent(coverage: Coverage, settings: ChildRecording) -> None:
+    """In the child, once its decisions are made: its record, written whole (a file of its
+    own in the settings' folder) or not at all."""
+    path = Path(settings.folder) / f"{os.getpid()}.json"
+    write_atomically(path, json.dumps(coverage.to_json(), allow_nan=False), durable=False)
+
+
+def merge_children(settings: ChildRecording | None) -> None:
+    """In the check's process, once its children ended: what they wrote, into the test's
+    coverage, each record once (all read before any is merged)."""
+    if settings is None or _ACTIVE is None:
+        return
+    files = sorted(Path(settings.folder).glob("*.json"))
+    records = [json.loads(path.read_text()) for path in files]
+    for record in records:
+        _ACTIVE.merge_json(record["sites"])
+    for path in files:
+        path.unlink()

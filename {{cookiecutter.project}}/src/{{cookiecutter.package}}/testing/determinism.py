@@ -39,7 +39,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..gpus import version_tuple
-from . import calls, control_flow, global_state, options, processes, python_attributes
+from . import calls, control_flow, decisions, global_state, options, processes, python_attributes
 from .comparison import (
     as_bits,
     bitwise_equal,
@@ -778,13 +778,22 @@ def _run_in_child(payload: bytes, deadline: float, run: int) -> Run:
     output, stack, stage = folder / "output.txt", folder / "stack.txt", folder / "stage.txt"
     request.write_bytes(payload)
     environment = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    # pytest --decisions: the fresh process's decisions count for the test too.
+    counted = decisions.for_child(folder / "decisions")
     outcome = processes.run_to_deadline(
-        [sys.executable, "-m", __name__, str(request), str(response), str(stack), str(stage)],
+        [
+            sys.executable,
+            "-m",
+            __name__,
+            *map(str, (request, response, stack, stage)),
+            "" if counted is None else counted.to_text(),
+        ],
         env=environment,
         output=output,
         stack=stack,
         deadline=deadline,
     )
+    decisions.merge_children(counted)
     process = f"the fresh process of cross_process=True (pid {outcome.pid}, run {run})"
     if outcome.returncode is None:
         doing = stage.read_text() if stage.exists() else _CHILD_STAGES[0]
@@ -818,7 +827,7 @@ _CHILD_STAGES = (
 )
 
 
-def _child_main(request: str, response: str, stack: str, stage: str) -> None:
+def _child_main(request: str, response: str, stack: str, stage: str, counted: str) -> None:
     stack_file = open(stack, "w")  # noqa: SIM115 (faulthandler writes to it until the end)
     processes.dump_stack_on_request(stack_file)
     Path(stage).write_text(_CHILD_STAGES[1])
@@ -833,9 +842,24 @@ def _child_main(request: str, response: str, stack: str, stage: str) -> None:
     cotangents = Cotangents(payload["cotangent_seed"])
     cotangents.samples.update(payload["cotangents"])
     Path(stage).write_text(_CHILD_STAGES[2])
-    result = _run(subject, cotangents)
+    result = _counted_run(subject, cotangents, counted)
     torch.save({"outputs": result.outputs, "values": result.values}, response)
 
 
+def _counted_run(subject: Subject, cotangents: Cotangents, counted: str) -> Run:
+    """The fresh process's run, its decisions counted for the test when ``counted`` holds
+    the settings (:meth:`.decisions.ChildRecording.to_text`), written out also when it
+    raised."""
+    if not counted:
+        return _run(subject, cotangents)
+    settings = decisions.ChildRecording.from_text(counted)
+    coverage = decisions.child_coverage(settings)
+    try:
+        with decisions.recording(coverage, settings.test):
+            return _run(subject, cotangents)
+    finally:
+        decisions.save_for_parent(coverage, settings)
+
+
 if __name__ == "__main__":
-    _child_main(*sys.argv[1:5])
+    _child_main(*sys.argv[1:6])

@@ -190,6 +190,28 @@ _DECISION_HOOKS = f"{__name__}.decisions"
 # The package this plugin belongs to, and the plugin's own folder (not the user's code).
 _PACKAGE_DIR = Path(__file__).resolve().parent.parent
 _PLUGIN_DIR = Path(__file__).resolve().parent
+# The package's modules whose decisions are the project's machinery, not the models the
+# tests are about: the private plumbing of training (checkpoints, data, metrics,
+# preemption, lifetime, progress, files, digests, commands) and the command modules.
+# A decision there (a checkpoint's step, a loss read for the log) is no branch of a
+# model; --decisions-source with one of these files counts it all the same.
+_PLUMBING_MODULES = (
+    "_checkpoint.py",
+    "_command.py",
+    "_data.py",
+    "_digest.py",
+    "_files.py",
+    "_lifetime.py",
+    "_metrics.py",
+    "_preemption.py",
+    "_progress.py",
+    "doctor.py",
+    "gpus.py",
+    "launch.py",
+    "train.py",
+)
+# The project's tests, relative to its root: helpers and models written there count.
+_TESTS_FOLDER = "tests"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -215,7 +237,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         default=[],
         metavar="PATH",
         help="another folder or file whose decisions count (repeatable; the project's "
-        "package is always one); implies --decisions",
+        "package, less its training plumbing and commands, and its tests folder always "
+        "count); implies --decisions",
     )
     decisions.addoption(
         "--decisions-json",
@@ -483,7 +506,11 @@ def _start_decision_coverage(config: pytest.Config) -> None:
         )
     from .decisions import Coverage
 
-    coverage = Coverage([_PACKAGE_DIR, *resolved], config.rootpath, excluded=[_PLUGIN_DIR])
+    tests = config.rootpath / _TESTS_FOLDER
+    defaults = [_PACKAGE_DIR, *([tests] if tests.is_dir() else [])]
+    plumbing = [_PACKAGE_DIR / name for name in _PLUMBING_MODULES]
+    excluded = [_PLUGIN_DIR, *(path for path in plumbing if path.is_file())]
+    coverage = Coverage([*defaults, *resolved], config.rootpath, excluded=excluded)
     config.pluginmanager.register(_DecisionHooks(coverage, json_file, strict), _DECISION_HOOKS)
 
 

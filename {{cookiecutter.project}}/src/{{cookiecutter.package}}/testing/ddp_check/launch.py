@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from .. import decisions
 from ..control_flow import Location
 from ..parameter_use import located
 from ..processes import STACK_WAIT, stack_locations
@@ -106,6 +107,8 @@ class RankProcesses:
         self.payload: Job | bytes = job if method == "fork" else pickle.dumps(job)
         self.roles = [*range(job.world_size), REFERENCE]
         self.folder = Path(tempfile.mkdtemp(prefix="ddp_check-", dir=job.temp_root))
+        # pytest --decisions: the ranks count their training steps' decisions for the test.
+        self.decisions = decisions.for_child(self.folder / "decisions")
         self.processes: dict[int, Any] = {}
         self.connections: dict[int, Any] = {}  # each process's events, to read
         self.commands: dict[int, Any] = {}  # each process's commands, to write
@@ -136,7 +139,10 @@ class RankProcesses:
             process = self.context.Process(
                 target=worker.child_main,
                 args=(self.payload, role, str(self.folder), (events_end, commands_end)),
-                kwargs={"parent": os.getpid()},
+                kwargs={
+                    "parent": os.getpid(),
+                    "counted": None if role == REFERENCE else self.decisions,
+                },
                 name=f"ddp_check {role_name(role)}",
                 daemon=True,
             )
@@ -354,9 +360,12 @@ class RankProcesses:
                 end_process(process)
             for connection in (*self.connections.values(), *self.commands.values()):
                 connection.close()
-            shutil.rmtree(self.folder, ignore_errors=True)
-            if self.started_tracker:
-                _stop_resource_tracker()
+            try:
+                decisions.merge_children(self.decisions)  # every process has ended
+            finally:
+                shutil.rmtree(self.folder, ignore_errors=True)
+                if self.started_tracker:
+                    _stop_resource_tracker()
 
 
 def _resource_tracker_running() -> bool:

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import calls
+from .. import calls, decisions
 from ..control_flow import Decision, Location, display_path, record_decisions, user_location
 from ..frames import Origin, origin
 from ..parameter_use import (
@@ -119,15 +119,22 @@ class Spy(TorchDispatchMode):
 
 
 def child_main(
-    payload: Job | bytes, role: int, folder: str, pipes: tuple[Any, Any], *, parent: int
+    payload: Job | bytes,
+    role: int,
+    folder: str,
+    pipes: tuple[Any, Any],
+    *,
+    parent: int,
+    counted: decisions.ChildRecording | None = None,
 ) -> None:
-    """The life of a rank (or of the single process): join the group, serve commands."""
+    """The life of a rank (or of the single process): join the group, serve commands;
+    ``counted``: where its training steps' decisions go (pytest --decisions)."""
     lead_own_group(parent)
     job = payload if isinstance(payload, Job) else pickle.loads(payload)
     files = Files(Path(folder), role)
     stack_file = open(files.stack, "w")  # noqa: SIM115 (faulthandler writes to it until the end)
     dump_stack_on_request(stack_file)
-    _Worker(job, role, pipes, files.error).serve(str(files.store))
+    _Worker(job, role, pipes, files.error, counted).serve(str(files.store))
 
 
 class _LaunchOver(Exception):
@@ -137,7 +144,14 @@ class _LaunchOver(Exception):
 class _Worker:
     """One child process: a rank of the group, or the single process (``REFERENCE``)."""
 
-    def __init__(self, job: Job, role: int, pipes: tuple[Any, Any], error_file: Path) -> None:
+    def __init__(
+        self,
+        job: Job,
+        role: int,
+        pipes: tuple[Any, Any],
+        error_file: Path,
+        counted: decisions.ChildRecording | None,
+    ) -> None:
         self.job = job
         self.role = role
         self.events, self.commands = pipes
@@ -146,6 +160,8 @@ class _Worker:
         self.phase = "start-up"
         self.log: Sequence[Decision] | None = None
         self.sent_decisions = 0
+        self.counted = counted
+        self.coverage = None if counted is None else decisions.child_coverage(counted)
 
     def send(self, kind: type[Event], **fields: Any) -> None:
         """An event of ``kind`` of this process's step and phase; one of a step, with the
@@ -179,6 +195,11 @@ class _Worker:
             self._report(error)
             code = 1
         end_descendants(os.getpid())  # DataLoader workers, subprocesses: none outlives it
+        if self.counted is not None and self.coverage is not None:
+            # Also after a raise: what the steps before it decided. The test's process reads
+            # it once this process has ended.
+            with contextlib.suppress(Exception):
+                decisions.save_for_parent(self.coverage, self.counted)
         # Straight out: no finalizer to wait for (the process group goes with the
         # process, its store with the launch's folder).
         os._exit(code)
@@ -308,6 +329,12 @@ class _Worker:
             finally:
                 self.log = None
 
+    def _counted_steps(self) -> contextlib.AbstractContextManager[None]:
+        """The training steps' decisions counted for the test (pytest --decisions)."""
+        if self.coverage is None:
+            return contextlib.nullcontext()
+        return decisions.recording(self.coverage, self.coverage.test)
+
     def _gradients(self) -> dict[str, torch.Tensor | None]:
         return {name: _cpu(tensor.grad) for name, tensor in self.parameters}
 
@@ -318,11 +345,11 @@ class _Worker:
         for step in range(1, steps + 1):
             self.step = step
             inputs = self.subject.fresh_inputs()
-            with self._watched("forward"):
+            with self._watched("forward"), self._counted_steps():
                 loss = self._loss(network(*inputs.args, **inputs.kwargs))
                 self.send(ForwardDone, reached=tuple(reached_parameters(loss, self.parameters)))
             self.receive()  # Go: every rank's forward is in, and their collectives match
-            with self._watched("backward"):
+            with self._watched("backward"), self._counted_steps():
                 loss.backward()
                 self.send(BackwardDone, grads=self._gradients())
             self.phase = "optimizer step"
