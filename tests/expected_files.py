@@ -85,6 +85,7 @@ BASE_FILES = frozenset(
         "src/{package}/testing/parts.py",
         "src/{package}/testing/plugin.py",
         "src/{package}/testing/processes.py",
+        "src/{package}/testing/python_attributes.py",
         "src/{package}/testing/rewrites.py",
         "src/{package}/testing/sources.py",
         "src/{package}/testing/runs.py",

@@ -4,8 +4,9 @@
 <package>.testing.plugin`` in ``addopts``): hooks and fixtures, thin, importing each
 check only when its fixture is used. The checks, each behind the fixture of its
 name and each a plain function too, are peers: ``gradcheck``, ``determinism``
-(``autograd_determinism``), ``compile_check``, ``export_check``, ``training_check``,
-``ddp_check`` and ``decisions`` (``pytest --decisions``). They import the modules of
+(``autograd_determinism``), ``compile_check``, ``export_check``, ``training_check``
+and ``ddp_check``; ``decisions`` (``pytest --decisions``) is on the floor, as every
+process a check starts records into it. They import the modules of
 :data:`SHARED_FLOOR` and never each other (``tests/test_architecture.py`` checks it).
 ARCHITECTURE.md at the project's root says which module does what. Importing this
 package does not import torch.
@@ -22,6 +23,7 @@ SHARED_FLOOR = frozenset(
         "comparison",  # two results compared, bit for bit or within tolerances
         "control_flow",  # data-dependent decisions recorded, with the user's line
         "data_dependence",  # where a data-dependent size or value is made, and where used
+        "decisions",  # decision coverage, recorded in every process a check starts
         "failures",  # CheckFailure, the base of every check's failures
         "float64",  # a forward kept in float64 end to end
         "frames",  # whose code a frame runs; the user's line and the library lines under it

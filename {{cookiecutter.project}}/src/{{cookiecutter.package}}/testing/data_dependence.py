@@ -5,7 +5,8 @@ graph, where a size or a Python value depends on the data. torch stops at the li
 that *uses* such a value (``if token.numel() == 0:``), while the user's question is
 where it was *made* (``token = (ids == e).nonzero()``, a line earlier). One eager run
 under :func:`tracing` answers both: each op whose output size depends on the data
-(:data:`SIZE_OPS`, boolean-mask indexing, one-argument ``torch.where``) tags its
+(:data:`SIZE_OPS`: ``nonzero()``, boolean-mask indexing, one-argument ``torch.where``,
+``unique()``, ...) tags its
 outputs with a :class:`Source`; tensors computed from tagged ones carry the tag on;
 each read of a tagged tensor's size into Python (``numel()``, ``size()``, ``.shape``,
 ``len()``, a loop over it) and each value read off any tensor (``.item()``,
@@ -21,7 +22,7 @@ from __future__ import annotations
 import ast
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,25 +34,111 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .control_flow import DECISION_OPS, UNKNOWN_LOCATION, Location, user_location
 from .sources import parsed
 
-__all__ = ["SIZE_OPS", "Source", "Trace", "Use", "tracing"]
+__all__ = ["SIZE_OPS", "SizeOp", "Source", "Trace", "Use", "data_dependent_size", "tracing"]
 
-# Each op whose output's size depends on its input's values, by the name a user writes.
-SIZE_OPS: dict[Any, str] = {
-    torch.nonzero: "torch.nonzero()",
-    torch.Tensor.nonzero: "nonzero()",
-    torch.argwhere: "torch.argwhere()",
-    torch.Tensor.argwhere: "argwhere()",
-    torch.masked_select: "torch.masked_select()",
-    torch.Tensor.masked_select: "masked_select()",
-    torch.unique: "torch.unique()",
-    torch.Tensor.unique: "unique()",
-    torch.unique_consecutive: "torch.unique_consecutive()",
-    torch.Tensor.unique_consecutive: "unique_consecutive()",
-    torch.repeat_interleave: "torch.repeat_interleave()",
-    torch.Tensor.repeat_interleave: "repeat_interleave()",
-    torch.bincount: "torch.bincount()",
-    torch.Tensor.bincount: "bincount()",
+
+@dataclass(frozen=True)
+class SizeOp:
+    """An op whose output's size depends on the data: ``name`` as a report keys it
+    (``Tensor.nonzero``), ``words`` as a message says it (``nonzero()``), and ``measure``,
+    the size of one call from its arguments and result (``None``: that call's size does
+    not depend on the data, as ``torch.where``'s three-argument form)."""
+
+    name: str
+    words: str
+    measure: Callable[[tuple, dict, Any], int | None]
+
+
+def _rows(args: tuple, kwargs: dict, result: Any) -> int:
+    """The length of dimension 0 of a result, or of its first tensor (``as_tuple=True``)."""
+    first = result[0] if isinstance(result, tuple | list) else result
+    return first.shape[0] if first.dim() else 1
+
+
+def _length(result: Any, dim: int | None) -> int:
+    """The length of dimension ``dim`` of the (first) result; all of it when ``dim`` is None
+    (the op flattened its input)."""
+    first = result[0] if isinstance(result, tuple | list) else result
+    return first.numel() if dim is None else first.shape[dim]
+
+
+def _where_size(args: tuple, kwargs: dict, result: Any) -> int | None:
+    # torch.where(condition): the indices where it holds; the three-argument form selects
+    # elementwise and keeps the shape.
+    return _rows(args, kwargs, result) if len(args) == 1 and not kwargs else None
+
+
+def _repeat_size(args: tuple, kwargs: dict, result: Any) -> int | None:
+    # torch.repeat_interleave(x, repeats) with repeats a tensor (or repeat_interleave(repeats)
+    # alone): as long as the repeats sum to; an int repeats fixes the size.
+    repeats = args[1] if len(args) > 1 else kwargs.get("repeats", args[0] if args else None)
+    if not isinstance(repeats, torch.Tensor):
+        return None
+    return _length(result, args[2] if len(args) > 2 else kwargs.get("dim"))
+
+
+def _unique_size(args: tuple, kwargs: dict, result: Any) -> int:
+    return _length(result, kwargs.get("dim"))
+
+
+def _selected_size(args: tuple, kwargs: dict, result: Any) -> int:
+    return result.numel()
+
+
+def _mask_size(args: tuple, kwargs: dict, result: Any) -> int | None:
+    # x[mask] with one boolean tensor in the index: as many rows as the mask holds True
+    # (counted with torch functions off: no mode, this one or another, sees the count).
+    index = args[1] if len(args) > 1 else None
+    entries = index if isinstance(index, tuple) else (index,)
+    masks = [e for e in entries if isinstance(e, torch.Tensor) and e.dtype == torch.bool]
+    if len(masks) != 1:
+        return None
+    with torch._C.DisableTorchFunction():
+        return int(masks[0].count_nonzero())
+
+
+# Each op whose output's size depends on the data. Not here: nonzero_static (its size is
+# given), and bincount, whose length (the largest value + 1) is almost always fixed by
+# its minlength.
+SIZE_OPS: dict[Any, SizeOp] = {
+    torch.nonzero: SizeOp("torch.nonzero", "torch.nonzero()", _rows),
+    torch.Tensor.nonzero: SizeOp("Tensor.nonzero", "nonzero()", _rows),
+    torch.argwhere: SizeOp("torch.argwhere", "torch.argwhere()", _rows),
+    torch.Tensor.argwhere: SizeOp("Tensor.argwhere", "argwhere()", _rows),
+    torch.where: SizeOp("torch.where", "torch.where(condition)", _where_size),
+    torch.masked_select: SizeOp("torch.masked_select", "torch.masked_select()", _selected_size),
+    torch.Tensor.masked_select: SizeOp("Tensor.masked_select", "masked_select()", _selected_size),
+    torch.unique: SizeOp("torch.unique", "torch.unique()", _unique_size),
+    torch.Tensor.unique: SizeOp("Tensor.unique", "unique()", _unique_size),
+    torch.unique_consecutive: SizeOp(
+        "torch.unique_consecutive", "torch.unique_consecutive()", _unique_size
+    ),
+    torch.Tensor.unique_consecutive: SizeOp(
+        "Tensor.unique_consecutive", "unique_consecutive()", _unique_size
+    ),
+    torch.repeat_interleave: SizeOp(
+        "torch.repeat_interleave", "torch.repeat_interleave()", _repeat_size
+    ),
+    torch.Tensor.repeat_interleave: SizeOp(
+        "Tensor.repeat_interleave", "repeat_interleave()", _repeat_size
+    ),
+    torch.Tensor.__getitem__: SizeOp(
+        "Tensor.__getitem__[mask]", "boolean-mask indexing", _mask_size
+    ),
 }
+
+
+def data_dependent_size(
+    func: Any, args: tuple, kwargs: dict, result: Any
+) -> tuple[SizeOp, int] | None:
+    """The op and the size of a call whose output's size depends on the data, else ``None``."""
+    op = SIZE_OPS.get(func)
+    if op is None:
+        return None
+    size = op.measure(args, kwargs, result)
+    return None if size is None else (op, size)
+
+
 _SIZE_READS: dict[Any, str] = {
     torch.Tensor.numel: "numel()",
     torch.Tensor.size: "size()",
@@ -160,16 +247,13 @@ class _Tracer(TorchFunctionMode):
         frame = sys._getframe(1)
         tensors = [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
         tag = next((self.tags[t] for t in tensors if t in self.tags), None)
-        op = SIZE_OPS.get(func) or _sized_by_data(func, args, kwargs)
-        if op is not None:
+        measured = data_dependent_size(func, args, kwargs, result)
+        if measured is not None:
+            op, size = measured
             location = user_location(frame) or UNKNOWN_LOCATION
-            outputs = [r for r in pytree.tree_leaves(result) if isinstance(r, torch.Tensor)]
-            self.trace._ops.setdefault(location, op)
-            if outputs:
-                self.trace._sizes.setdefault(location, []).append(
-                    int(outputs[0].shape[0]) if outputs[0].dim() else 1
-                )
-            tag = Source(op, location)
+            self.trace._ops.setdefault(location, op.words)
+            self.trace._sizes.setdefault(location, []).append(size)
+            tag = Source(op.words, location)
         elif tag is not None and (func in _SIZE_READS or _is_shape_read(func)):
             how = _SIZE_READS.get(func, ".shape")
             self.trace.uses.append(Use(user_location(frame) or UNKNOWN_LOCATION, how, tag))
@@ -188,18 +272,6 @@ class _Tracer(TorchFunctionMode):
 
 def _is_shape_read(func: Any) -> bool:
     return getattr(func, "__self__", None) is _SHAPE
-
-
-def _sized_by_data(func: Any, args: tuple, kwargs: dict) -> str | None:
-    """``torch.where(condition)`` and indexing by a boolean mask: their sizes are the data's."""
-    if func in (torch.where, torch.Tensor.where) and len(args) + len(kwargs) == 1:
-        return "torch.where(condition)"
-    if func is torch.Tensor.__getitem__ and len(args) == 2:
-        index = args[1]
-        leaves = pytree.tree_leaves(index if isinstance(index, tuple) else (index,))
-        if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in leaves):
-            return "boolean-mask indexing"
-    return None
 
 
 @contextlib.contextmanager

@@ -17,7 +17,7 @@ the source folders, counts its outcome at that site:
 - a loop count (``range(int(n))``, a tensor used as an index count, ``for e in t:``
   over a tensor): the same;
 - a data-dependent size: the length of the result of an op whose output shape
-  depends on the data (``nonzero``, ``x[mask]``, ``unique``, ... :data:`_SIZE_OPS`):
+  depends on the data (``nonzero``, ``x[mask]``, ``unique``, ... :data:`.data_dependence.SIZE_OPS`):
   count, min, max, and how often it was 0. An empty result is where a routed model's
   code runs on nothing (a mixture-of-experts expert that no token chose), so the
   report says how often that happened.
@@ -61,6 +61,7 @@ import torch
 
 from .._files import write_atomically
 from .control_flow import MODE_HANDLERS, TORCH_DIR, DecisionMode, current_probe
+from .data_dependence import SIZE_OPS, data_dependent_size
 from .sources import ParsedSource, parsed
 
 __all__ = [
@@ -403,74 +404,7 @@ class Coverage:
         return lines
 
 
-# --- data-dependent sizes ---------------------------------------------------------------
-
-
-def _rows(result: Any) -> int:
-    """The length of dimension 0 of a result, or of its first tensor (``as_tuple=True``)."""
-    first = result[0] if isinstance(result, tuple | list) else result
-    return first.shape[0] if first.dim() else 1
-
-
-def _length(result: Any, dim: int | None) -> int:
-    """The length of dimension ``dim`` of the (first) result; all of it when ``dim`` is None
-    (the op flattened its input)."""
-    first = result[0] if isinstance(result, tuple | list) else result
-    return first.numel() if dim is None else first.shape[dim]
-
-
-def _where_size(args: tuple, kwargs: dict, result: Any) -> int | None:
-    # torch.where(condition): the indices where it holds; the three-argument form selects
-    # elementwise and keeps the shape.
-    return _rows(result) if len(args) == 1 and not kwargs else None
-
-
-def _repeat_size(args: tuple, kwargs: dict, result: Any) -> int | None:
-    # torch.repeat_interleave(x, repeats) with repeats a tensor (or repeat_interleave(repeats)
-    # alone): as long as the repeats sum to; an int repeats fixes the size.
-    repeats = args[1] if len(args) > 1 else kwargs.get("repeats", args[0] if args else None)
-    if not isinstance(repeats, torch.Tensor):
-        return None
-    return _length(result, args[2] if len(args) > 2 else kwargs.get("dim"))
-
-
-def _unique_size(args: tuple, kwargs: dict, result: Any) -> int:
-    return _length(result, kwargs.get("dim"))
-
-
-def _mask_size(args: tuple, kwargs: dict, result: Any) -> int | None:
-    # x[mask] with one boolean tensor in the index: as many rows as the mask holds True
-    # (counted with torch functions off: no mode, this one or another, sees the count).
-    index = args[1] if len(args) > 1 else None
-    entries = index if isinstance(index, tuple) else (index,)
-    masks = [e for e in entries if isinstance(e, torch.Tensor) and e.dtype == torch.bool]
-    if len(masks) != 1:
-        return None
-    with torch._C.DisableTorchFunction():
-        return int(masks[0].count_nonzero())
-
-
-# Each op whose output's size depends on the data, by the name a report uses, with what
-# measures that size from its arguments and result (None: this call's size does not
-# depend on the data). Not here: nonzero_static (its size is given), and bincount, whose
-# length (the largest value + 1) is almost always fixed by its minlength.
-_SIZE_OPS: dict[Any, tuple[str, Any]] = {
-    torch.nonzero: ("torch.nonzero", lambda args, kwargs, result: _rows(result)),
-    torch.Tensor.nonzero: ("Tensor.nonzero", lambda args, kwargs, result: _rows(result)),
-    torch.argwhere: ("torch.argwhere", lambda args, kwargs, result: _rows(result)),
-    torch.Tensor.argwhere: ("Tensor.argwhere", lambda args, kwargs, result: _rows(result)),
-    torch.where: ("torch.where", _where_size),
-    torch.masked_select: ("torch.masked_select", lambda args, kwargs, r: r.numel()),
-    torch.Tensor.masked_select: ("Tensor.masked_select", lambda args, kwargs, r: r.numel()),
-    torch.unique: ("torch.unique", _unique_size),
-    torch.Tensor.unique: ("Tensor.unique", _unique_size),
-    torch.unique_consecutive: ("torch.unique_consecutive", _unique_size),
-    torch.Tensor.unique_consecutive: ("Tensor.unique_consecutive", _unique_size),
-    torch.repeat_interleave: ("torch.repeat_interleave", _repeat_size),
-    torch.Tensor.repeat_interleave: ("Tensor.repeat_interleave", _repeat_size),
-    torch.Tensor.__getitem__: ("Tensor.__getitem__[mask]", _mask_size),
-}
-_SIZE_OP_NAMES = frozenset(name for name, _ in _SIZE_OPS.values())
+_SIZE_OP_NAMES = frozenset(op.name for op in SIZE_OPS.values())
 # ``for e in t:`` over a tensor: Tensor.__iter__ skips torch function dispatch and calls
 # unbind(0), whose result's length is the loop's pass count.
 _TENSOR_LOOP = "Tensor.__iter__"
@@ -491,7 +425,7 @@ class _CoverageRecorder(DecisionMode):
         self._record(op, result, caller)
 
     def computed(self, func: Any, args: tuple, kwargs: dict | None, result: Any) -> None:
-        measured = _SIZE_OPS.get(func)
+        measured = data_dependent_size(func, args, kwargs or {}, result)
         if measured is None and func is not torch.Tensor.unbind:
             return
         # Called by DecisionMode.__torch_function__, itself called for the line.
@@ -512,11 +446,9 @@ class _CoverageRecorder(DecisionMode):
             or caller.f_code.co_filename.startswith(TORCH_DIR)
         ):
             caller = caller.f_back
-        op, measure = measured
+        op, size = measured
         if caller is not None and self.coverage.display_path(caller.f_code.co_filename):
-            size = measure(args, kwargs or {}, result)
-            if size is not None:
-                self._record(op, size, caller)
+            self._record(op.name, size, caller)
 
     def _record(self, op: str, value: Any, caller: FrameType | None) -> None:
         if caller is None or self.coverage.display_path(caller.f_code.co_filename) is None:

@@ -38,13 +38,13 @@ from .subject import FunctionModule, Subject
 from .torch_text import in_words
 from .trees import named_leaves
 from .verified_rewrites import (
-    Setting,
+    LibrarySetting,
     Varied,
     Verdict,
     Verification,
     Watch,
-    verification_inputs,
     library_settings,
+    verification_inputs,
     verify,
 )
 
@@ -569,7 +569,7 @@ def _verified(
     if where is None:
         return []
     names = [n for n in (source.names if source else ()) if n in _loaded_names(where)]
-    candidates: list[Rewrite | Setting] = []
+    candidates: list[Rewrite | LibrarySetting] = []
     if origin(where.filename) is Origin.LIBRARY:
         candidates += library_settings(subject.target)
     else:
@@ -581,7 +581,9 @@ def _verified(
         watch = Watch(source.location, Varied.COUNT if loop else Varied.EMPTY)
     if not candidates:
         return []
-    inputs = verification_inputs(subject.target, subject.args, subject.kwargs, watch, ExportCheckFailure)
+    inputs = verification_inputs(
+        subject.target, subject.args, subject.kwargs, watch, ExportCheckFailure
+    )
     found = []
     for candidate in candidates:
         verification = verify(

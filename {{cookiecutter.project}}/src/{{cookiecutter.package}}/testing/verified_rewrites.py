@@ -1,7 +1,7 @@
 """A rewrite is printed as working only once it has run: built, exported, and compared with eager.
 
 :func:`verify` builds the rewritten function (:class:`.rewrites.Rewrite`, or a
-library's own setting: :class:`Setting`), puts it in place of the model's method
+library's own setting: :class:`LibrarySetting`), puts it in place of the model's method
 for the duration of the check, exports the model with it, and runs the program
 against the unchanged eager model on the given inputs and on
 :data:`OTHER_INPUT_SETS` more drawn like them. The inputs must also take the other
@@ -41,13 +41,13 @@ from .trees import named_leaves
 __all__ = [
     "OTHER_INPUT_SETS",
     "InputSets",
-    "Setting",
+    "LibrarySetting",
     "Varied",
     "Verdict",
     "Verification",
     "Watch",
-    "verification_inputs",
     "library_settings",
+    "verification_inputs",
     "verify",
 ]
 
@@ -70,7 +70,7 @@ class Verdict(enum.Enum):
 
 
 @dataclass(frozen=True)
-class Setting:
+class LibrarySetting:
     """A library's own switch that takes the decision out: ``apply`` sets it on the
     model and returns what puts it back; ``explanation`` and ``code`` say it to the user."""
 
@@ -185,7 +185,11 @@ def _other_side(
     """Inputs on which the branch at ``location`` goes the other way, moved from
     ``arguments`` along its margin; else why none was found."""
     leaves, spec = pytree.tree_flatten(arguments)
-    movable = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]
+    movable = [
+        i
+        for i, leaf in enumerate(leaves)
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()
+    ]
     if not movable:
         return "no floating-point input to move"
     subject = Subject(module, arguments, kwargs, failure=failure)
@@ -217,7 +221,7 @@ def _other_side(
 
 
 def verify(
-    rewrite: Rewrite | Setting,
+    rewrite: Rewrite | LibrarySetting,
     module: nn.Module,
     inputs: InputSets,
     *,
@@ -280,7 +284,7 @@ def verify(
 _EXPERTS_IMPLEMENTATIONS = ("batched_mm", "grouped_mm")
 
 
-def library_settings(module: nn.Module) -> list[Setting]:
+def library_settings(module: nn.Module) -> list[LibrarySetting]:
     """The libraries' own switches that take a data-dependent decision out of ``module``:
     transformers' mixture-of-experts blocks with the eager experts (a loop over the
     experts hit, each on the tokens routed to it) run as ``batched_mm`` or
@@ -309,7 +313,7 @@ def library_settings(module: nn.Module) -> list[Setting]:
 
     config_class = type(next(iter(configs.values()))).__name__
     return [
-        Setting(
+        LibrarySetting(
             f"transformers runs the experts as `{implementation}`, with no loop over the "
             "experts hit and no size that depends on the routing, when the model is built with",
             f"    config = {config_class}(..., "
@@ -389,9 +393,9 @@ def _sides_text(sides: Sequence[Sequence[Any]], watch: Watch | None) -> tuple[st
     return text, bool(true and false)
 
 
-def _applied(rewrite: Rewrite | Setting, module: nn.Module) -> Callable[[], None] | str:
+def _applied(rewrite: Rewrite | LibrarySetting, module: nn.Module) -> Callable[[], None] | str:
     """Put the rewrite in place in ``module``; what puts the model back, or why it cannot."""
-    if isinstance(rewrite, Setting):
+    if isinstance(rewrite, LibrarySetting):
         return rewrite.apply(module)
     targets = [
         (owner, name, value)
