@@ -56,7 +56,7 @@ def test_a_python_number_recompiles(compile_check):
         forward_with_condition, inputs_list=[(x, 0.5), (x, 1.5)], backend="aot_eager"
     )
     assert len(result.recompiles) == 1
-    assert "threshold was 0.5 when compiled" in result.recompiles[0].guard
+    assert "`threshold` was 0.5 when compiled and is now 1.5" in result.recompiles[0].guard
 
 
 def both_sides(model):
