@@ -5,9 +5,9 @@ built, exported and compared with eager by the check.
 The family: a top-k mixture of experts written the usual way (``nonzero()`` per expert,
 ``if token.numel() == 0: continue``, ``index_add_``) and the same without the skip,
 transformers' Mixtral block with eager and with grouped-mm experts, the package's early-exit
-network and top-k mixture, Graves' adaptive computation time, a mean-gated branch, and two
-that must not get a working rewrite: a skip whose body changes the result, and a size
-compared with 3. One session in a fresh interpreter (export leaves dynamo's state behind);
+network (with an exit the inputs reach, and one none reaches) and top-k mixture, Graves'
+adaptive computation time, a mean-gated branch, and two that must not get a working
+rewrite: a skip whose body changes the result, and a size compared with 3. One session in a fresh interpreter (export leaves dynamo's state behind);
 each test asserts its verdict, and one failing test's report is matched line by line.
 """
 
@@ -234,13 +234,28 @@ def test_a_mean_gate_gets_a_cond_verified_on_both_sides(export_check):
     assert "torch.cond(h.mean() > 0" in error.rewrite.code
 
 
-def test_early_exit_and_act_get_the_pattern_marked_not_verified(export_check):
+def test_act_gets_a_masked_loop_verified_on_both_sides(export_check):
     torch.manual_seed(0)
-    for model in (EarlyExitNet(), AdaptiveComputation()):
-        error = blocked(export_check, model, torch.randn(4, 8))
-        assert error.rewrite is None
-        assert "Not verified (the check could not build this rewrite)" in str(error)
-        assert "Verified rewrite" not in str(error)
+    error = blocked(export_check, AdaptiveComputation(), torch.randn(4, 8))
+    assert error.location.source == "if total + p > self.threshold:"
+    assert error.rewrite.verdict is Verdict.VERIFIED
+    assert "stopping = active & (total + p > self.threshold)" in error.rewrite.code
+
+
+def test_early_exit_gets_a_masked_loop_verified_where_the_exit_is_reached(export_check):
+    torch.manual_seed(0)
+    error = blocked(export_check, EarlyExitNet(confidence=0.4), torch.randn(4, 8))
+    assert error.rewrite.verdict is Verdict.VERIFIED
+    assert "logits = exit_head(h) if logits is None else" in error.rewrite.code
+
+
+def test_an_exit_no_input_reaches_is_verified_on_one_side_only(export_check):
+    torch.manual_seed(0)
+    error = blocked(export_check, EarlyExitNet(confidence=0.9), torch.randn(4, 8))
+    assert error.rewrite.verdict is Verdict.ONE_SIDE
+    assert "the branch search found no other side" in str(error)
+    assert "the other side is not verified" in str(error)
+    assert "Verified rewrite" not in str(error)
 
 
 def test_a_skip_that_changes_the_result_gets_no_working_rewrite(export_check):
@@ -287,6 +302,6 @@ def test_routed_models_are_blocked_at_the_op_and_get_verified_rewrites(plugin_py
             ]
         },
     )
-    result.assert_outcomes(passed=9, failed=1)
+    result.assert_outcomes(passed=11, failed=1)
     report = "\n".join(reports["test_report"].lines)
     assert not re.search(r"\b[usz]\d+\b|Eq\(|FakeTensor|___stack", report), report

@@ -411,9 +411,20 @@ def masked_loop_statements(
     on_exit, others = node.body[:-1], [s for s in loop.body if s is not node]
     if not all(_assigns_a_name(s) for s in [*on_exit, *others]):
         return None
-    before, _ = _names_around(function, loop)
-    assigned = [_assigned_name(s) for s in [*on_exit, *others]]
-    undefined = [name for name in dict.fromkeys(assigned) if name not in before]
+    before, after = _names_around(function, loop)
+    index = loop.body.index(node)
+    # Each statement of one pass in order, the `if` as its condition, then its body.
+    passes = [*loop.body[:index], node.test, *on_exit, *loop.body[index + 1 :]]
+    kept = {
+        _assigned_name(s)
+        for s in [*on_exit, *others]
+        if _assigned_name(s) in after or _carried(_assigned_name(s), passes)
+    }
+    undefined = [
+        name
+        for name in dict.fromkeys(_assigned_name(s) for s in [*on_exit, *others])
+        if name in kept and name not in before
+    ]
     device = next((name for name in _operands(loop.body, function) if name in before), None)
     condition = ast.unparse(node.test)
     lines = [
@@ -422,13 +433,12 @@ def masked_loop_statements(
         *(f"{name} = None" for name in undefined),
         f"for {ast.unparse(loop.target)} in {ast.unparse(loop.iter)}:",
     ]
-    index = loop.body.index(node)
-    lines += [_masked(s, "active", undefined) for s in loop.body[:index]]
+    lines += [_masked(s, "active", kept, undefined) for s in loop.body[:index]]
     if on_exit:
         lines.append(f"    stopping = active & ({condition})")
-        lines += [_masked(s, "stopping", undefined) for s in on_exit]
+        lines += [_masked(s, "stopping", kept, undefined) for s in on_exit]
     lines.append(f"    active = active & ~({condition})")
-    lines += [_masked(s, "active", undefined) for s in loop.body[index + 1 :]]
+    lines += [_masked(s, "active", kept, undefined) for s in loop.body[index + 1 :]]
     return ast.parse("\n".join(lines)).body, [loop]
 
 
@@ -445,10 +455,23 @@ def _assigned_name(statement: ast.stmt) -> str:
     return target.id
 
 
-def _masked(statement: ast.stmt, mask: str, undefined: list[str]) -> str:
+def _carried(name: str, passes: list[ast.AST]) -> bool:
+    """Whether a pass reads ``name`` before (or where) it first assigns it: its value comes
+    from the pass before."""
+    for part in passes:
+        if any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load) for n in ast.walk(part)):
+            return True
+        if isinstance(part, ast.stmt) and _assigns_a_name(part) and _assigned_name(part) == name:
+            return False
+    return False
+
+
+def _masked(statement: ast.stmt, mask: str, kept: set[str], undefined: list[str]) -> str:
     """``name = value`` as an update kept where ``mask`` holds (the new value on a first
-    pass that defines the name)."""
+    pass that defines the name); a value used only later in the same pass as it is."""
     name = _assigned_name(statement)
+    if name not in kept:
+        return "    " + ast.unparse(statement)
     if isinstance(statement, ast.AugAssign):
         value = ast.unparse(ast.BinOp(ast.Name(name), statement.op, statement.value))
     else:
