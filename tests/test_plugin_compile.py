@@ -494,7 +494,6 @@ EXPECTED_FAILURES = {
         "E*for _ in range(self.max_steps):",
         "E*active = active & ~(h.abs().mean() < self.tolerance)",
         "E*h = torch.where(active, h + 0.5 * self.block(h), h)",
-        "E*torch.while_loop*",
     ],
     "test_export_of_item": [
         "E*ExportBlocked: torch.export cannot export StepsFromData: its forward makes a "

@@ -694,3 +694,36 @@ def test_the_projects_plumbing_is_no_source_and_an_empty_report_says_where_it_lo
     )
     assert given.ret == 0, given.stdout.str()
     given.stdout.fnmatch_lines([f"{metrics}:*: return self.total().item() / max(self.count, 1)"])
+
+
+ASSERTING_TESTS = """
+import torch
+
+
+def clipped(x):
+    if x.abs().max() > 1:  # the test module's own code: a decision of the code under test
+        return x.clamp(-1, 1)
+    return x
+
+
+def test_clipped():
+    torch.manual_seed(0)
+    x = torch.randn(4) * 3
+    assert torch.equal(clipped(x), x.clamp(-1, 1))
+    assert bool((clipped(x) <= 1).all()), "clipped above 1"
+"""
+
+
+def test_a_tests_assertions_are_no_decisions_but_its_code_is(plugin_pytester):
+    """An ``assert`` in a test module holds every time in a passing run: counted, it would
+    read "never False" and fail --decisions-strict; a branch in the same module counts."""
+    result = routed_session(plugin_pytester, {"test_asserting": ASSERTING_TESTS})
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.fnmatch_lines(
+        [
+            "tests/test_asserting.py:6: if x.abs().max() > 1:  # the test module's own code*",
+            "    branch: True x2, False x0 (never False)",
+        ]
+    )
+    result.stdout.no_fnmatch_line("*assert torch.equal*")
+    result.stdout.no_fnmatch_line("*assert bool(*")

@@ -202,8 +202,8 @@ def test_library_models_compile_export_and_fail_with_their_cause(plugin_pytester
         [
             "*compile_check MixtralSparseMoeBlock (backend aot_eager): * graph break(s)*",
             "  graph break at transformers/models/mixtral/modeling_mixtral.py:79: `expert_hit = "
-            "*.nonzero()`: Dynamic shape operator (GB0036): `torch.greater(expert_mask.sum(dim=(-1, "
-            "-2)), 0).nonzero()` makes a size that depends on the data",
+            "*.nonzero()`: Dynamic shape operator (GB0036): `torch.greater(expert_mask.sum("
+            "dim=(-1, -2)), 0).nonzero()` makes a size that depends on the data",
             "      reached from your code:",
             '      at test_checks.py:*: `result = compile_check(mixtral_moe("eager"), *`',
             "        in transformers/models/mixtral/modeling_mixtral.py:79: *",

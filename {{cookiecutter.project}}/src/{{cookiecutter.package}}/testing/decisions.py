@@ -285,6 +285,21 @@ def _kind(op: str, source: str) -> DecisionKind:
     return DecisionKind.NUMBER
 
 
+@functools.lru_cache(maxsize=4096)
+def _a_tests_assertion(filename: str, line: int) -> bool:
+    """Whether ``line`` of a test module (``test_*.py``, ``*_test.py``, ``conftest.py``)
+    lies in an ``assert``: a test's check of a result, not a decision of the code under
+    test (in a passing run it holds every time, so it would read "never False")."""
+    name = os.path.basename(filename)
+    if not (name.startswith("test_") or name.endswith("_test.py") or name == "conftest.py"):
+        return False
+    source = parsed(filename)
+    return source is not None and any(
+        isinstance(node, ast.Assert) and node.lineno <= line <= (node.end_lineno or node.lineno)
+        for node in ast.walk(source.tree)
+    )
+
+
 class Coverage:
     """The decision sites of one pytest session, keyed by (path, line, kind).
 
@@ -328,7 +343,7 @@ class Coverage:
         branch whether its condition held as written, for a size the size; ``probe``: made
         at a check's probe."""
         path = self.display_path(filename)
-        if path is None:
+        if path is None or _a_tests_assertion(filename, line):
             return
         source = linecache.getline(filename, line).strip()
         kind = _kind(op, source)

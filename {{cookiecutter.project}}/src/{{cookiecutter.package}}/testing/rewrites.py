@@ -459,7 +459,8 @@ def _carried(name: str, passes: list[ast.AST]) -> bool:
     """Whether a pass reads ``name`` before (or where) it first assigns it: its value comes
     from the pass before."""
     for part in passes:
-        if any(isinstance(n, ast.Name) and n.id == name and isinstance(n.ctx, ast.Load) for n in ast.walk(part)):
+        loaded = (n for n in ast.walk(part) if isinstance(n, ast.Name) and n.id == name)
+        if any(isinstance(n.ctx, ast.Load) for n in loaded):
             return True
         if isinstance(part, ast.stmt) and _assigns_a_name(part) and _assigned_name(part) == name:
             return False
