@@ -727,3 +727,42 @@ def test_a_tests_assertions_are_no_decisions_but_its_code_is(plugin_pytester):
     )
     result.stdout.no_fnmatch_line("*assert torch.equal*")
     result.stdout.no_fnmatch_line("*assert bool(*")
+
+
+UNUSED_TESTS = """
+import pytest
+import torch
+from torch import nn
+
+
+class Refined(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Linear(8, 8)
+        self.refine = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.encoder(x)
+        if x.mean() > 0:
+            h = self.refine(h)
+        return h
+
+
+def test_ranks(ddp_check):
+    torch.manual_seed(0)
+    first, second = torch.randn(2, 8) + 1.0, torch.randn(2, 8) - 1.0
+    with pytest.raises(AssertionError, match="UnusedParameters|never given a gradient|unused"):
+        ddp_check(Refined(), first, second, steps=2)
+"""
+
+
+def test_a_check_that_trains_again_for_its_remedy_counts_the_steps_once(plugin_pytester):
+    """ddp_check's UnusedParameters trains the same steps again with
+    find_unused_parameters=True to measure the remedy: the failing launch stops at step 1,
+    where rank 0 took the branch and rank 1 did not, counted once (True x1, False x1);
+    the remedy's two steps again would make it True x3, False x3."""
+    result = routed_session(plugin_pytester, {"test_unused": UNUSED_TESTS})
+    assert result.ret == 0, result.stdout.str()
+    result.stdout.fnmatch_lines(
+        ["tests/test_unused.py:15: if x.mean() > 0:", "    branch: True x1, False x1"]
+    )

@@ -445,7 +445,8 @@ class Checker:
             (self.rtol, self.atol),
         )
         cost, checked, nested = None, "", ""
-        with RankProcesses(self.job, self.method) as launch:
+        # The same steps again: their decisions were counted by the launch that failed.
+        with RankProcesses(self.job, self.method, counted=False) as launch:
             try:
                 launch.start()
                 launch.send(REFERENCE, Reference(self.steps))

@@ -96,9 +96,10 @@ class RanksEnded(Exception):
 
 
 class RankProcesses:
-    """The rank processes (and the single process) of one launch, and their pipes."""
+    """The rank processes (and the single process) of one launch, and their pipes;
+    ``counted``: whether the ranks' decisions count for the test under ``--decisions``."""
 
-    def __init__(self, job: Job, method: str) -> None:
+    def __init__(self, job: Job, method: str, *, counted: bool = True) -> None:
         self.job = job
         self.context = multiprocessing.get_context(method)
         # A forked child has its own copy of everything. A spawned one gets the job as
@@ -107,8 +108,9 @@ class RankProcesses:
         self.payload: Job | bytes = job if method == "fork" else pickle.dumps(job)
         self.roles = [*range(job.world_size), REFERENCE]
         self.folder = Path(tempfile.mkdtemp(prefix="ddp_check-", dir=job.temp_root))
-        # pytest --decisions: the ranks count their training steps' decisions for the test.
-        self.decisions = decisions.for_child(self.folder / "decisions")
+        # pytest --decisions: the ranks count their training steps' decisions for the test
+        # (``counted``: a launch that trains the same steps again counts nothing).
+        self.decisions = decisions.for_child(self.folder / "decisions") if counted else None
         self.processes: dict[int, Any] = {}
         self.connections: dict[int, Any] = {}  # each process's events, to read
         self.commands: dict[int, Any] = {}  # each process's commands, to write
