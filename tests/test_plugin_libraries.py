@@ -223,7 +223,13 @@ from libmodels import NeuralODE, mixtral_moe
 
 
 def test_mixtral_eager_experts_route_tokens():
+    torch.manual_seed(0)
     mixtral_moe("eager")(torch.randn(2, 5, 16))
+
+
+def test_mixtral_one_token_repeated_reaches_two_experts():
+    torch.manual_seed(0)
+    mixtral_moe("eager")(torch.randn(16).expand(2, 5, 16).clone())
 
 
 def test_dopri5_solves():
@@ -247,16 +253,24 @@ def test_library_decisions_count_as_written_and_probes_apart(plugin_pytester):
         "-p", PLUGIN_MODULE, "-p", "no:cacheprovider",
         *(f"--decisions-source={source}" for source in sources),
     )  # fmt: skip
-    result.assert_outcomes(passed=3)
+    result.assert_outcomes(passed=4)
     result.stdout.fnmatch_lines(
         [
             "*torchdiffeq/_impl/rk_common.py:267: if not torch.isfinite(dt):",
             "    branch: True x0, False x* (never True); at check probes: True x0, False x*",
             "*torchdiffeq/_impl/rk_common.py:284: assert t0 + dt > t0, *",
             "    branch: True x*, False x0 (never False); at check probes: True x*, False x0",
+            # Which experts got tokens: all 4 for random tokens, 2 for one token repeated.
+            "*mixtral/modeling_mixtral.py:79: expert_hit = *.nonzero()",
+            "    size: 2 to 4 in 2 calls; never 0 *",
+            "*mixtral/modeling_mixtral.py:81: for expert_idx in expert_hit:",
+            "    loop count: 2 values, min 2, max 4, 2 distinct",
             "*mixtral/modeling_mixtral.py:83: if expert_idx == self.num_experts:",
             "    branch: True x0, False x* (never True)",
-            "    reached by 1 test(s): test_decisions.py::test_mixtral_eager_experts_route_tokens",
+            "    reached by 2 test(s): test_decisions.py::test_mixtral_eager_experts_route_tokens, "
+            "test_decisions.py::test_mixtral_one_token_repeated_reaches_two_experts",
+            "*mixtral/modeling_mixtral.py:85: top_k_pos, token_idx = torch.where(*)",
+            "    size: * in 6 calls; never 0 *",
         ],
         consecutive=False,
     )
