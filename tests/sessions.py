@@ -68,6 +68,21 @@ def failure_reports(result: pytest.RunResult) -> dict[str, list[str]]:
     return reports
 
 
+# What no failure message may show: torch's symbolic-shape internals (unbacked and
+# backed symbols, sympy relations, fake tensors, dynamo's stack slots and locals) and
+# the names of the exceptions torch raises for them.
+INTERNALS = re.compile(
+    r"\b[us]\d+\b|\bEq\(|FakeTensor|___stack|L\['|GuardOnDataDependent|PendingUnbacked|TorchRuntimeError"
+)
+
+
+def assert_no_internals(result: pytest.RunResult) -> None:
+    """No failure message of the session (its ``E`` lines) shows torch's internals."""
+    for name, lines in failure_reports(result).items():
+        shown = [line for line in lines if line.startswith("E ") and INTERNALS.search(line)]
+        assert not shown, f"{name}: {shown}"
+
+
 def assert_failures(
     result: pytest.RunResult, expected: dict[str, list[str]]
 ) -> dict[str, pytest.LineMatcher]:
@@ -75,6 +90,7 @@ def assert_failures(
     (fnmatch patterns in which "[" stands for itself); each report, to check further."""
     reports = failure_reports(result)
     assert reports.keys() == expected.keys(), result.stdout.str()
+    assert_no_internals(result)
     matchers = {}
     for name, lines in expected.items():
         matchers[name] = pytest.LineMatcher(reports[name])

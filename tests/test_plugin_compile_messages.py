@@ -7,22 +7,9 @@ message shows torch's own symbols (``___stack0``, ``L['x']``, ``u0``, ``Eq(``).
 
 from __future__ import annotations
 
-import re
-
-import pytest
-from sessions import SEEDED, assert_failures, failure_reports, run_session
+from sessions import SEEDED, assert_failures, assert_no_internals, failure_reports, run_session
 
 # torch's symbols, which no message of the plugin may show.
-INTERNALS = re.compile(r"\b[us]\d+\b|Eq\(|FakeTensor|___stack|L\['")
-
-
-def assert_no_internals(result: pytest.RunResult) -> None:
-    """No failure message of the session (its ``E`` lines) shows torch's symbols."""
-    for name, lines in failure_reports(result).items():
-        shown = [line for line in lines if line.startswith("E ") and INTERNALS.search(line)]
-        assert not shown, f"{name}: {shown}"
-
-
 HELPERS = f'''
 import torch
 from torch import nn

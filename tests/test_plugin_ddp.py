@@ -16,8 +16,7 @@ from it, except in the one test that spawns them.
 from __future__ import annotations
 
 from conftest import DEFAULT_PACKAGE
-from sessions import SEEDED, assert_failures, run_session
-from test_plugin_compile_messages import assert_no_internals
+from sessions import SEEDED, assert_failures, assert_no_internals, run_session
 
 HELPERS = f'''
 import os

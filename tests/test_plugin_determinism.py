@@ -19,7 +19,6 @@ import pytest
 import sessions
 import torch
 from conftest import DEFAULT_PACKAGE
-from test_plugin_compile_messages import assert_no_internals
 
 # The sessions' sources are f-strings, their package filled in already.
 run_session = partial(sessions.run_session, template=False)
@@ -919,7 +918,7 @@ def test_a_python_attribute_the_forward_changes_is_named(plugin_pytester: pytest
         "(CountsCalls.calls, above)"
     ) in text
     assert "came from outside torch's ops" not in text
-    assert_no_internals(result)
+    sessions.assert_no_internals(result)
 
 
 # --- plain helpers -------------------------------------------------------------------
