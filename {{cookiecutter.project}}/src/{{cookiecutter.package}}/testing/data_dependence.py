@@ -178,7 +178,7 @@ class Source:
         return ()
 
     def describe_sizes(self) -> str:
-        """``3, 0 and 5 in 3 calls, 0 once`` as a report says it."""
+        """``1 to 5 over 4 calls in the eager run, empty once``, as a message says it."""
         if not self.sizes:
             return ""
         low, high = min(self.sizes), max(self.sizes)
@@ -228,11 +228,6 @@ class Trace:
                 source = use.source and self.source_at(use.source.location)
                 found.append(Use(use.location, use.how, source))
         return found
-
-    def sources(self) -> list[Source]:
-        return [
-            Source(op, location, tuple(self._sizes[location])) for location, op in self._ops.items()
-        ]
 
 
 class _Tracer(TorchFunctionMode):

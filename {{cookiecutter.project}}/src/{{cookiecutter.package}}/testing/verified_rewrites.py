@@ -4,7 +4,8 @@
 library's own setting: :class:`LibrarySetting`), puts it in place of the model's method
 for the duration of the check, exports the model with it, and runs the program
 against the unchanged eager model on the given inputs and on
-:data:`OTHER_INPUT_SETS` more drawn like them. The inputs must also take the other
+:data:`OTHER_INPUT_SETS` more drawn like them: its outputs, and the gradients of the
+floating-point inputs under a fixed random cotangent. The inputs must also take the other
 side of the decision (another outcome of the branch, an empty and a non-empty
 token set): the :class:`Verification` says which sides its inputs took, and a side
 no input took is reported as not verified.
@@ -110,14 +111,15 @@ class Verification:
     def lines(self) -> list[str]:
         if self.verdict is Verdict.VERIFIED:
             head = (
-                f"Verified rewrite (the check built it, exported it, and compared it with "
-                f"eager on {self.input_sets} input sets, {self.seen}): {self.explanation}"
+                f"Verified rewrite (the check built it, exported it, and compared its outputs "
+                f"and input gradients with eager's on {self.input_sets} input sets, "
+                f"{self.seen}): {self.explanation}"
             )
         elif self.verdict is Verdict.ONE_SIDE:
             head = (
-                f"Rewrite verified on one side only (exported, and equal to eager on "
-                f"{self.input_sets} input sets, but {self.seen}: the other side is not "
-                f"verified): {self.explanation}"
+                f"Rewrite verified on one side only (exported, its outputs and input "
+                f"gradients equal to eager's on {self.input_sets} input sets, but {self.seen}: "
+                f"the other side is not verified): {self.explanation}"
             )
         else:
             head = f"Rewrite, not verified ({self.problem}): {self.explanation}"
@@ -250,7 +252,7 @@ def verify(
                 )
         except Exception as error:  # the rewrite's own failure is the verdict
             return verdict(
-                Verdict.NOT_EXPORTED, problem=f"torch.export refused it: {_first_line(error)}"
+                Verdict.NOT_EXPORTED, problem=f"torch.export refused it: {in_words(error)}"
             )
         finally:
             subject.reset()
@@ -260,13 +262,11 @@ def verify(
     for number, eager in eager_outputs:
         subject = Subject(module, sets[number], kwargs, failure=failure)
         try:
-            with torch.no_grad():
-                fresh = subject.fresh_inputs()
-                produced = exported(*fresh.args, **fresh.kwargs)
+            produced = _outputs_and_gradients(subject, exported)
         except Exception as error:  # the program's own failure is the verdict
             return verdict(
                 Verdict.DIFFERS,
-                problem=f"its program failed on input set {number}: {_first_line(error)}",
+                problem=f"its program failed on input set {number}: {in_words(error)}",
             )
         finally:
             subject.reset()
@@ -348,24 +348,54 @@ def _drawn_like(arguments: tuple) -> list[tuple]:
     return drawn
 
 
-def _eager(subject: Subject, watch: Watch | None) -> tuple[Any, list[Any]]:
-    """The eager output on the subject's inputs, and what the watched line decided."""
+def _eager(subject: Subject, watch: Watch | None) -> tuple[dict[str, Any], list[Any]]:
+    """The eager outputs and input gradients on the subject's inputs, and what the watched
+    line decided."""
     try:
-        with (
-            torch.no_grad(),
-            control_flow.record_decisions() as log,
-            data_dependence.tracing() as trace,
-        ):
-            fresh = subject.fresh_inputs()
-            output = subject.target(*fresh.args, **fresh.kwargs)
+        with control_flow.record_decisions() as log, data_dependence.tracing() as trace:
+            values = _outputs_and_gradients(subject, subject.target)
     finally:
         subject.reset()
     if watch is None:
-        return output, []
+        return values, []
     if watch.varied is Varied.BRANCH:
-        return output, [bool(d.value) for d in log if d.location == watch.location]
+        return values, [bool(d.value) for d in log if d.location == watch.location]
     source = trace.source_at(watch.location)
-    return output, list(source.sizes if source else ())
+    return values, list(source.sizes if source else ())
+
+
+def _outputs_and_gradients(subject: Subject, call: Callable[..., Any]) -> dict[str, Any]:
+    """``call``'s outputs on fresh copies of the subject's inputs, and the gradient of
+    each floating-point input under a fixed random cotangent (drawn from a generator of
+    its own, the same for every call), by name."""
+    fresh = subject.fresh_inputs()
+    inputs = [
+        (name, leaf.requires_grad_(True))
+        for name, leaf in subject.named_inputs(fresh.args, fresh.kwargs)
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.is_leaf
+    ]
+    with torch.enable_grad():
+        output = call(*fresh.args, **fresh.kwargs)
+    values: dict[str, Any] = {name: leaf for name, leaf in named_leaves(output, "output")}
+    differentiable = [v for v in values.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+    if inputs and differentiable:
+        generator = torch.Generator().manual_seed(0)
+        cotangents = [
+            torch.randn(v.shape, generator=generator, dtype=v.dtype).to(v.device)
+            for v in differentiable
+        ]
+        gradients = torch.autograd.grad(
+            differentiable, [leaf for _, leaf in inputs], cotangents, allow_unused=True
+        )
+        values.update(
+            (f"grad of {name}", gradient)
+            for (name, _), gradient in zip(inputs, gradients, strict=True)
+            if gradient is not None
+        )
+    return {
+        name: value.detach() if isinstance(value, torch.Tensor) else value
+        for name, value in values.items()
+    }
 
 
 def _sides_text(sides: Sequence[Sequence[Any]], watch: Watch | None) -> tuple[str, bool]:
@@ -416,7 +446,7 @@ def _applied(rewrite: Rewrite | LibrarySetting, module: nn.Module) -> Callable[[
     try:
         exec(code, function.__globals__, namespace)  # the user's own function, rewritten
     except Exception as error:  # a decorator that refuses the rebuilt function
-        return f"defining it failed: {_first_line(error)}"
+        return f"defining it failed: {in_words(error)}"
     rebuilt = namespace[rewrite.function.name]
     undo: list[Callable[[], None]] = []
     for owner, name, value in targets:
@@ -443,22 +473,11 @@ def _functions(owner: nn.Module) -> Iterator[tuple[str, types.FunctionType]]:
                 yield name, value
 
 
-def _mismatch(eager: Any, produced: Any) -> str:
-    eager_values = dict(named_leaves(eager, "output"))
-    produced_values = dict(named_leaves(produced, "output"))
-    for output in [*eager_values, *(n for n in produced_values if n not in eager_values)]:
+def _mismatch(eager: dict[str, Any], produced: dict[str, Any]) -> str:
+    for name in [*eager, *(n for n in produced if n not in eager)]:
         difference = close_mismatch(
-            output,
-            eager_values.get(output),
-            produced_values.get(output),
-            None,
-            None,
-            ("eager", "rewritten"),
+            name, eager.get(name), produced.get(name), None, None, ("eager", "rewritten")
         )
         if difference:
             return difference.description
     return ""
-
-
-def _first_line(error: BaseException) -> str:
-    return in_words(error)
