@@ -72,7 +72,7 @@ def failure_reports(result: pytest.RunResult) -> dict[str, list[str]]:
 # backed symbols, sympy relations, fake tensors, dynamo's stack slots and locals) and
 # the names of the exceptions torch raises for them.
 INTERNALS = re.compile(
-    r"\b[us]\d+\b|\bEq\(|FakeTensor|___stack|L\['|GuardOnDataDependent|PendingUnbacked|TorchRuntimeError"
+    r"\b[us]\d+\b|\bEq\(|FakeTensor\(|___stack|L\['|GuardOnDataDependent|PendingUnbacked|TorchRuntimeError"
 )
 
 

@@ -5,8 +5,9 @@ built, exported and compared with eager by the check.
 The family: a top-k mixture of experts written the usual way (``nonzero()`` per expert,
 ``if token.numel() == 0: continue``, ``index_add_``) and the same without the skip,
 transformers' Mixtral block with eager and with grouped-mm experts, the package's early-exit
-network (with an exit the inputs reach, and one none reaches) and top-k mixture, Graves'
-adaptive computation time, a mean-gated branch, and two that must not get a working
+network (with an exit the inputs reach, and one none reaches), top-k mixture and routed
+refinement, Graves' adaptive computation time, a mean-gated branch, a whole-batch
+refinement whose `if` cannot be taken out, and two that must not get a working
 rewrite: a skip whose body changes the result, and a size compared with 3. One session
 in a fresh interpreter (export leaves dynamo's state behind); each test asserts its
 verdict, and one failing test's report is matched line by line.
@@ -96,6 +97,22 @@ class Gated(nn.Module):
         return torch.tanh(h)
 
 
+class RefinedWhenPositive(nn.Module):
+    """A refinement that runs on the whole batch when its mean is positive: taking the
+    `if` out changes the result, torch.cond does not."""
+
+    def __init__(self):
+        super().__init__()
+        self.encoder = nn.Linear(8, 8)
+        self.refine = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.encoder(x)
+        if h.mean() > 0:
+            h = torch.tanh(self.refine(h))
+        return h
+
+
 class AdaptiveComputation(nn.Module):
     """Graves' ACT: a cell repeated until the halting probability adds up to 0.99."""
 
@@ -170,7 +187,7 @@ import textwrap
 
 import pytest
 import torch
-from {package}.models import EarlyExitNet, TopKMixture
+from {package}.models import EarlyExitNet, RoutedRefineNet, TopKMixture
 from {package}.testing.export_check import ExportBlocked
 from {package}.testing.verified_rewrites import Verdict
 from helpers import *
@@ -235,6 +252,23 @@ def test_a_mean_gate_gets_a_cond_verified_on_both_sides(export_check):
     assert error.rewrite.verdict is Verdict.VERIFIED
     assert "True in" in error.rewrite.seen and "False in" in error.rewrite.seen
     assert "torch.cond(h.mean() > 0" in error.rewrite.code
+
+
+def test_rows_refined_only_when_some_need_it_get_the_if_taken_out(export_check):
+    torch.manual_seed(0)
+    error = blocked(export_check, RoutedRefineNet(), torch.randn(6, 8))
+    assert error.location.source == "if hard.any():"
+    assert error.rewrite.verdict is Verdict.VERIFIED
+    assert error.rewrite.explanation.startswith("Take the `if` out")
+    assert "torch.cond" not in str(error)  # tried first, it does not export: not shown
+
+
+def test_a_refinement_of_the_whole_batch_gets_cond_not_the_if_taken_out(export_check):
+    torch.manual_seed(0)
+    error = blocked(export_check, RefinedWhenPositive(), torch.randn(4, 8))
+    assert error.rewrite.verdict is Verdict.VERIFIED
+    assert "torch.cond(h.mean() > 0, true_branch, false_branch, (h,))" in error.rewrite.code
+    assert "Take the `if` out" not in str(error)
 
 
 def test_act_gets_a_masked_loop_verified_on_both_sides(export_check):
@@ -305,6 +339,6 @@ def test_routed_models_are_blocked_at_the_op_and_get_verified_rewrites(plugin_py
             ]
         },
     )
-    result.assert_outcomes(passed=11, failed=1)
+    result.assert_outcomes(passed=13, failed=1)
     report = "\n".join(reports["test_report"].lines)
     assert not re.search(r"\b[usz]\d+\b|Eq\(|FakeTensor|___stack", report), report

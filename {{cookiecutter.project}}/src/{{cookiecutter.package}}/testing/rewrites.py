@@ -70,7 +70,7 @@ def function_rewrites(where: Location, sized: Sequence[str] = ()) -> list[Rewrit
                 unguarded,
                 f"Take the `if` out: with an empty {names}, indexing and index_add_ do nothing, "
                 "so the code under it computes the same for every size, 0 included, and the "
-                "program keeps the size as a value instead of deciding on it. The loop then reads:",
+                "program keeps the size as a value instead of deciding on it. The code then reads:",
             )
         )
     built = cond_statements(node, source, function)
@@ -85,6 +85,22 @@ def function_rewrites(where: Location, sized: Sequence[str] = ()) -> list[Rewrit
                 "Rewrite the branch with torch.cond, which records both branches and picks one "
                 "when the program runs (both take the same tensors and return tensors of the "
                 "same shapes and dtypes):",
+            )
+        )
+    leaves = any(
+        isinstance(n, ast.Return | ast.Break | ast.Continue) for s in node.body for n in ast.walk(s)
+    )
+    if not sized and not node.orelse and not leaves:
+        found.append(
+            _built(
+                where.filename,
+                function,
+                [node],
+                node.body,
+                "Take the `if` out: where its condition does not hold, the code under it "
+                "changes nothing (a selection made from the condition, such as nonzero(), is "
+                "empty, and indexing and index_add_ with it do nothing), so running it always "
+                "computes the same and the program has no branch. The code then reads:",
             )
         )
     return found
@@ -322,7 +338,15 @@ def cond_statements(
         lines += [
             f"    {line}" for statement in side for line in ast.unparse(statement).splitlines()
         ]
-        lines.append(f"    return ({returned})")
+        # A branch may not return an operand itself: torch.cond refuses the alias.
+        assigned_here = {
+            n.id
+            for statement in side
+            for n in ast.walk(statement)
+            if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)
+        }
+        values = [o if o in assigned_here else f"{o}.clone()" for o in outputs]
+        lines.append(f"    return ({', '.join(values)}{',' if len(values) == 1 else ''})")
     lines.append(
         f"{returned} = torch.cond({ast.unparse(condition)}, true_branch, false_branch, "
         f"({parameters}{',' if len(operands) == 1 else ''}))"

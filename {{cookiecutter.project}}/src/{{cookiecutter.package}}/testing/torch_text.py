@@ -16,7 +16,7 @@ __all__ = ["INTERNALS", "has_internals", "in_words"]
 
 # What a report must never show: symbols, sympy relations, fake tensors, dynamo's slots.
 INTERNALS = re.compile(
-    r"\b[uszq](?:uf)?\d+\b|\b(?:Eq|Ne|Lt|Le|Gt|Ge|TruncToInt|Mod|FloorDiv)\(|FakeTensor|___stack|L\['"
+    r"\b[uszq](?:uf)?\d+\b|\b(?:Eq|Ne|Lt|Le|Gt|Ge|TruncToInt|Mod|FloorDiv)\(|FakeTensor\(|___stack|L\['"
 )
 
 # torch's refusals that mean something the user can act on, in the user's words.
