@@ -6,11 +6,11 @@ The family: a top-k mixture of experts written the usual way (``nonzero()`` per 
 ``if token.numel() == 0: continue``, ``index_add_``) and the same without the skip,
 transformers' Mixtral block with eager and with grouped-mm experts, the package's early-exit
 network (with an exit the inputs reach, and one none reaches), top-k mixture and routed
-refinement, Graves' adaptive computation time, a mean-gated branch, a whole-batch
-refinement whose `if` cannot be taken out, and two that must not get a working
-rewrite: a skip whose body changes the result, and a size compared with 3. One session
-in a fresh interpreter (export leaves dynamo's state behind); each test asserts its
-verdict, and one failing test's report is matched line by line.
+refinement, Graves' adaptive computation time, a mean-gated branch, and three whose `if`
+must not be taken out: a whole-batch refinement, a skip whose body changes the result,
+and a size compared with 3. One session in a fresh interpreter (export leaves dynamo's
+state behind); each test asserts its verdict, and one failing test's report is matched
+line by line.
 """
 
 from __future__ import annotations
@@ -260,7 +260,7 @@ def test_rows_refined_only_when_some_need_it_get_the_if_taken_out(export_check):
     assert error.location.source == "if hard.any():"
     assert error.rewrite.verdict is Verdict.VERIFIED
     assert error.rewrite.explanation.startswith("Take the `if` out")
-    assert "torch.cond" not in str(error)  # tried first, it does not export: not shown
+    assert "torch.cond" not in str(error)  # tried only when the simpler one fails
 
 
 def test_a_refinement_of_the_whole_batch_gets_cond_not_the_if_taken_out(export_check):
@@ -295,14 +295,13 @@ def test_an_exit_no_input_reaches_is_verified_on_one_side_only(export_check):
     assert "Verified rewrite" not in str(error)
 
 
-def test_a_skip_that_changes_the_result_gets_no_working_rewrite(export_check):
+def test_a_skip_that_changes_the_result_is_not_taken_out_but_made_a_cond(export_check):
     torch.manual_seed(0)
     error = blocked(export_check, SkipThatCounts(), torch.randn(6, 8))
     assert error.location.line == line_of(SkipThatCounts, "nonzero(as_tuple=True)")
-    assert error.rewrite is None
-    assert [v.verdict for v in error.verifications][:1] == [Verdict.DIFFERS]
-    assert "Verified rewrite" not in str(error)
+    assert [v.verdict for v in error.verifications] == [Verdict.DIFFERS, Verdict.VERIFIED]
     assert "Take the `if` out" not in str(error)
+    assert "torch.cond(token.numel() == 0, true_branch, false_branch, (out,))" in str(error)
 
 
 def test_a_size_compared_with_three_is_verified_on_one_side_only(export_check):

@@ -73,20 +73,6 @@ def function_rewrites(where: Location, sized: Sequence[str] = ()) -> list[Rewrit
                 "program keeps the size as a value instead of deciding on it. The code then reads:",
             )
         )
-    built = cond_statements(node, source, function)
-    if built is not None:
-        statements, replaced = built
-        found.append(
-            _built(
-                where.filename,
-                function,
-                replaced,
-                statements,
-                "Rewrite the branch with torch.cond, which records both branches and picks one "
-                "when the program runs (both take the same tensors and return tensors of the "
-                "same shapes and dtypes):",
-            )
-        )
     leaves = any(
         isinstance(n, ast.Return | ast.Break | ast.Continue) for s in node.body for n in ast.walk(s)
     )
@@ -101,6 +87,20 @@ def function_rewrites(where: Location, sized: Sequence[str] = ()) -> list[Rewrit
                 "changes nothing (a selection made from the condition, such as nonzero(), is "
                 "empty, and indexing and index_add_ with it do nothing), so running it always "
                 "computes the same and the program has no branch. The code then reads:",
+            )
+        )
+    built = cond_statements(node, source, function)
+    if built is not None:
+        statements, replaced = built
+        found.append(
+            _built(
+                where.filename,
+                function,
+                replaced,
+                statements,
+                "Rewrite the branch with torch.cond, which records both branches and picks one "
+                "when the program runs (both take the same tensors and return tensors of the "
+                "same shapes and dtypes):",
             )
         )
     return found
