@@ -487,7 +487,7 @@ EXPECTED_FAILURES = {
     "test_export_of_a_data_dependent_loop": [
         "E*ExportBlocked: torch.export cannot export DynamicNet: *models.py:*:",
         "E*if h.abs().mean() < self.tolerance:",
-        "E*Verified rewrite (the check built it, exported it, and compared its outputs and input "
+        "E*Verified rewrite (the check built it, exported it, and compared its outputs and "
         "gradients with eager's on 13 input sets, on which the branch at *models.py:105 was "
         "True in * and False in *): The loop stops on a tensor's value. Run it the full "
         "number of times and stop updating with a mask*",

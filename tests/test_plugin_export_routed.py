@@ -330,7 +330,7 @@ def test_routed_models_are_blocked_at_the_op_and_get_verified_rewrites(plugin_py
                 "E*: token, slot = (expert_ids == e).nonzero(as_tuple=True)",
                 "E*: if self.skip_empty and token.numel() == 0:",
                 "E*Verified rewrite (the check built it, exported it, and compared its outputs "
-                "and input gradients with eager's on 13 input sets, on which the size made at "
+                "and gradients with eager's on 13 input sets, on which the size made at "
                 "helpers.py:* was 0 in * and above 0 in 13): Take the `if` out: *",
                 "E*for e, expert in enumerate(self.experts):",
                 "E*token, slot = (expert_ids == e).nonzero(as_tuple=True)",

@@ -147,7 +147,7 @@ EXPECTED_FAILURES = {
         'E*at test_checks.py:*: `export_check(mixtral_moe("eager"), torch.randn(2, 5, 16))`',
         "E*in transformers/models/mixtral/modeling_mixtral.py:*: `hidden_states = self.experts(*",
         "E*in transformers/models/mixtral/modeling_mixtral.py:81: `for expert_idx in expert_hit:`",
-        "E*Verified rewrite (the check built it, exported it, and compared its outputs and input "
+        "E*Verified rewrite (the check built it, exported it, and compared its outputs and "
         "gradients with eager's on 13 input sets, on which the size made at "
         "transformers/models/mixtral/modeling_mixtral.py:79 was 2 to 4): transformers runs the "
         "experts as `batched_mm`, with no loop over the experts hit and no size that depends "

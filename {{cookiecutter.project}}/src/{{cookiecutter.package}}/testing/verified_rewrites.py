@@ -5,7 +5,8 @@ library's own setting: :class:`LibrarySetting`), puts it in place of the model's
 for the duration of the check, exports the model with it, and runs the program
 against the unchanged eager model on the given inputs and on
 :data:`OTHER_INPUT_SETS` more drawn like them: its outputs, and the gradients of the
-floating-point inputs under a fixed random cotangent. The inputs must also take the other
+trainable parameters (and differentiated inputs) under a fixed random cotangent, one
+:func:`.runs.run_once` each. The inputs must also take the other
 side of the decision (another outcome of the branch, an empty and a non-empty
 token set): the :class:`Verification` says which sides its inputs took, and a side
 no input took is reported as not verified.
@@ -35,9 +36,9 @@ from .comparison import close_mismatch
 from .control_flow import Location, display_path
 from .failures import CheckFailure
 from .rewrites import Rewrite
+from .runs import Cotangents, Run, run_once
 from .subject import Subject
 from .torch_text import in_words
-from .trees import named_leaves
 
 __all__ = [
     "OTHER_INPUT_SETS",
@@ -57,6 +58,8 @@ __all__ = [
 # loads or a confidence threshold in the tests' models to take both sides; the
 # verdict says when the inputs did not.
 OTHER_INPUT_SETS = 12
+# One fixed random cotangent per output, the same for the eager model and the program.
+_COTANGENTS = Cotangents(seed=0)
 # Scales of the drawn inputs (standard normal times these): small, unit and large
 # activations, where routers saturate and thresholds flip.
 _SCALES = (0.3, 1.0, 10.0)
@@ -112,12 +115,12 @@ class Verification:
         if self.verdict is Verdict.VERIFIED:
             head = (
                 f"Verified rewrite (the check built it, exported it, and compared its outputs "
-                f"and input gradients with eager's on {self.input_sets} input sets, "
+                f"and gradients with eager's on {self.input_sets} input sets, "
                 f"{self.seen}): {self.explanation}"
             )
         elif self.verdict is Verdict.ONE_SIDE:
             head = (
-                f"Rewrite verified on one side only (exported, its outputs and input "
+                f"Rewrite verified on one side only (exported, its outputs and "
                 f"gradients equal to eager's on {self.input_sets} input sets, but {self.seen}: "
                 f"the other side is not verified): {self.explanation}"
             )
@@ -262,7 +265,7 @@ def verify(
     for number, eager in eager_outputs:
         subject = Subject(module, sets[number], kwargs, failure=failure)
         try:
-            produced = _outputs_and_gradients(subject, exported)
+            produced = run_once(subject, _COTANGENTS, call=exported)
         except Exception as error:  # the program's own failure is the verdict
             return verdict(
                 Verdict.DIFFERS,
@@ -348,54 +351,20 @@ def _drawn_like(arguments: tuple) -> list[tuple]:
     return drawn
 
 
-def _eager(subject: Subject, watch: Watch | None) -> tuple[dict[str, Any], list[Any]]:
-    """The eager outputs and input gradients on the subject's inputs, and what the watched
-    line decided."""
+def _eager(subject: Subject, watch: Watch | None) -> tuple[Run, list[Any]]:
+    """The eager outputs and gradients on the subject's inputs (:func:`.runs.run_once`),
+    and what the watched line decided."""
     try:
         with control_flow.record_decisions() as log, data_dependence.tracing() as trace:
-            values = _outputs_and_gradients(subject, subject.target)
+            run = run_once(subject, _COTANGENTS)
     finally:
         subject.reset()
     if watch is None:
-        return values, []
+        return run, []
     if watch.varied is Varied.BRANCH:
-        return values, [bool(d.value) for d in log if d.location == watch.location]
+        return run, [bool(d.value) for d in log if d.location == watch.location]
     source = trace.source_at(watch.location)
-    return values, list(source.sizes if source else ())
-
-
-def _outputs_and_gradients(subject: Subject, call: Callable[..., Any]) -> dict[str, Any]:
-    """``call``'s outputs on fresh copies of the subject's inputs, and the gradient of
-    each floating-point input under a fixed random cotangent (drawn from a generator of
-    its own, the same for every call), by name."""
-    fresh = subject.fresh_inputs()
-    inputs = [
-        (name, leaf.requires_grad_(True))
-        for name, leaf in subject.named_inputs(fresh.args, fresh.kwargs)
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.is_leaf
-    ]
-    with torch.enable_grad():
-        output = call(*fresh.args, **fresh.kwargs)
-    values: dict[str, Any] = {name: leaf for name, leaf in named_leaves(output, "output")}
-    differentiable = [v for v in values.values() if isinstance(v, torch.Tensor) and v.requires_grad]
-    if inputs and differentiable:
-        generator = torch.Generator().manual_seed(0)
-        cotangents = [
-            torch.randn(v.shape, generator=generator, dtype=v.dtype).to(v.device)
-            for v in differentiable
-        ]
-        gradients = torch.autograd.grad(
-            differentiable, [leaf for _, leaf in inputs], cotangents, allow_unused=True
-        )
-        values.update(
-            (f"grad of {name}", gradient)
-            for (name, _), gradient in zip(inputs, gradients, strict=True)
-            if gradient is not None
-        )
-    return {
-        name: value.detach() if isinstance(value, torch.Tensor) else value
-        for name, value in values.items()
-    }
+    return run, list(source.sizes if source else ())
 
 
 def _sides_text(sides: Sequence[Sequence[Any]], watch: Watch | None) -> tuple[str, bool]:
@@ -473,11 +442,16 @@ def _functions(owner: nn.Module) -> Iterator[tuple[str, types.FunctionType]]:
                 yield name, value
 
 
-def _mismatch(eager: dict[str, Any], produced: dict[str, Any]) -> str:
-    for name in [*eager, *(n for n in produced if n not in eager)]:
-        difference = close_mismatch(
-            name, eager.get(name), produced.get(name), None, None, ("eager", "rewritten")
-        )
+def _mismatch(eager: Run, produced: Run) -> str:
+    """The first value that differs; a gradient that is ``None`` on one side (the parameter
+    was not used) equals zeros on the other (used on an empty selection)."""
+    for key in [*eager.values, *(k for k in produced.values if k not in eager.values)]:
+        left, right = eager.values.get(key), produced.values.get(key)
+        if left is None and isinstance(right, torch.Tensor):
+            left = torch.zeros_like(right)
+        elif right is None and isinstance(left, torch.Tensor):
+            right = torch.zeros_like(left)
+        difference = close_mismatch(str(key), left, right, None, None, ("eager", "rewritten"))
         if difference:
             return difference.description
     return ""
