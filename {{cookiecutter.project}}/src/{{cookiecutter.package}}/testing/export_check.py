@@ -581,9 +581,12 @@ def _verified(
         watch = Watch(source.location, Varied.COUNT if loop else Varied.EMPTY)
     if not candidates:
         return []
-    inputs = verification_inputs(
-        subject.target, subject.args, subject.kwargs, watch, ExportCheckFailure
-    )
+    try:
+        inputs = verification_inputs(
+            subject.target, subject.args, subject.kwargs, watch, ExportCheckFailure
+        )
+    except Exception:  # the eager model fails on its own inputs: torch's refusal is the report
+        return []
     found = []
     for candidate in candidates:
         verification = verify(

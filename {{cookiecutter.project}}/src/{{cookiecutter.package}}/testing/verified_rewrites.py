@@ -410,9 +410,9 @@ def _applied(rewrite: Rewrite | LibrarySetting, module: nn.Module) -> Callable[[
     if function.__code__.co_freevars:
         return "the function uses variables of an enclosing scope (a closure, or super())"
     shown = f"<rewrite of {display_path(rewrite.filename)}:{rewrite.function_line}>"
-    code = compile(ast.Module(body=[rewrite.function], type_ignores=[]), shown, "exec")
     namespace: dict[str, Any] = {}
     try:
+        code = compile(ast.Module(body=[rewrite.function], type_ignores=[]), shown, "exec")
         exec(code, function.__globals__, namespace)  # the user's own function, rewritten
     except Exception as error:  # a decorator that refuses the rebuilt function
         return f"defining it failed: {in_words(error)}"
