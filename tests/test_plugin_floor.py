@@ -59,10 +59,10 @@ def test_architecture_test_passes_as_generated(default_project: Path):
     run = architecture_tests(default_project, "-v")
     assert run.returncode == 0, run.stdout + run.stderr
     # One test per check, the checks found from the package itself.
-    checks = ("compile_check", "ddp_check", "determinism", "export_check")
+    checks = ("compile_check", "ddp_check", "determinism", "export_check", "finite_check")
     for check in (*checks, "gradcheck", "training_check"):
         assert f"test_a_check_imports_no_other_check[{check}] PASSED" in run.stdout
-    assert "11 passed" in run.stdout.splitlines()[-1]
+    assert "12 passed" in run.stdout.splitlines()[-1]
 
 
 @pytest.mark.parametrize(

@@ -62,6 +62,14 @@ def test_model_gradients(gradcheck, name):
     gradcheck(model, x)
 
 
+@pytest.mark.parametrize("name", MODELS)
+def test_model_forward_and_backward_stay_finite(finite_check, name):
+    """No NaN or inf in outputs and gradients; a failure would name the op that made it."""
+    torch.manual_seed(0)
+    factory, shape = MODELS[name]
+    finite_check(factory(), torch.randn(shape, requires_grad=True))
+
+
 def test_wrappers_of_models_check_their_parameters(gradcheck):
     torch.manual_seed(0)
     model = EarlyExitNet(8, confidence=0.5)

@@ -4,8 +4,8 @@
 <package>.testing.plugin`` in ``addopts``): hooks and fixtures, thin, importing each
 check only when its fixture is used. The checks, each behind the fixture of its
 name and each a plain function too, are peers: ``gradcheck``, ``determinism``
-(``autograd_determinism``), ``compile_check``, ``export_check``, ``training_check``
-and ``ddp_check``; ``decisions`` (``pytest --decisions``) is on the floor, as every
+(``autograd_determinism``), ``compile_check``, ``export_check``, ``training_check``,
+``ddp_check`` and ``finite_check``; ``decisions`` (``pytest --decisions``) is on the floor, as every
 process a check starts records into it. They import the modules of
 :data:`SHARED_FLOOR` and never each other (``tests/test_architecture.py`` checks it).
 ARCHITECTURE.md at the project's root says which module does what. Importing this
@@ -28,7 +28,9 @@ SHARED_FLOOR = frozenset(
         "float64",  # a forward kept in float64 end to end
         "frames",  # whose code a frame runs; the user's line and the library lines under it
         "global_state",  # torch's process-wide settings and RNGs: snapshot, compare, restore
+        "nonfinite",  # where the first NaN or inf of a run was born: the op, its values, why
         "naming",  # names of callables, inputs and tensor elements in reports
+        "op_sites",  # where an aten op runs: the submodule, the user's line, the forward call
         "options",  # a check's options checked, refused in one line naming check and option
         "parameter_use",  # parameters a forward reaches, and the decisions that decide it
         "parts",  # the autograd Functions and submodule calls of one forward, with their inputs

@@ -34,8 +34,6 @@ from types import FrameType
 from typing import Any
 
 import torch
-from torch import nn
-from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..gpus import version_tuple
@@ -49,6 +47,7 @@ from .comparison import (
 )
 from .failures import CheckFailure
 from .naming import describe_callable
+from .op_sites import GraphTagger, ModuleStack, op_site
 from .parameter_use import located
 from .runs import Cotangents, Key, Kind, Run, run_once
 from .subject import Subject
@@ -89,7 +88,6 @@ DETERMINISTIC_CUBLAS_CONFIGS = (":4096:8", ":16:8")
 NO_DETERMINISTIC_IMPLEMENTATION = "does not have a deterministic implementation"
 CUBLAS_NOT_DETERMINISTIC = "it uses CuBLAS"
 
-_SITE_KEY = "determinism_check_forward_site"
 _LISTED_DIFFERENCES = 5
 _RANDOM_OPS = frozenset(
     {
@@ -248,79 +246,10 @@ class _OpRecord:
     explicit_generator: bool
 
 
-class _ModuleStack:
-    """Which module's forward is running, by its name in the model, while active."""
-
-    def __init__(self, roots: list[tuple[str, nn.Module]]) -> None:
-        self._names: dict[int, str] = {}
-        for prefix, root in reversed(roots):  # the outermost name wins
-            for name, module in root.named_modules(remove_duplicate=False):
-                self._names[id(module)] = f"{prefix}.{name}" if prefix and name else prefix or name
-        self._stack: list[str] = []
-        self._handles: list[Any] = []
-
-    def current(self) -> str | None:
-        return self._stack[-1] if self._stack else None
-
-    def _enter(self, module: nn.Module, args: Any) -> None:
-        name = self._names.get(id(module))
-        kind = type(module).__name__
-        self._stack.append(
-            f"{name} ({kind})" if name else f"the model ({kind})" if name == "" else kind
-        )
-
-    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self._stack:
-            self._stack.pop()
-
-    def __enter__(self) -> _ModuleStack:
-        hooks = torch.nn.modules.module
-        self._handles = [
-            hooks.register_module_forward_pre_hook(self._enter),
-            hooks.register_module_forward_hook(self._exit, always_call=True),
-        ]
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-
-def _site(modules: _ModuleStack, frame: FrameType | None, what: str) -> str:
-    """``what in encoder.1 (Linear) at models.py:45``, leaving out what is unknown."""
-    module = modules.current()
-    location = control_flow.user_location(frame)
-    return " ".join(
-        filter(None, [what, f"in {module}" if module else "", f"at {location}" if location else ""])
-    )
-
-
-class _GraphTagger(TorchFunctionMode):
-    """Marks each new autograd node with the call that created it (module and user line)."""
-
-    def __init__(self, modules: _ModuleStack) -> None:
-        super().__init__()
-        self.modules = modules
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        result = func(*args, **(kwargs or {}))
-        pending = [t.grad_fn for _, t in named_leaves(result, "") if isinstance(t, torch.Tensor)]
-        site = None
-        while pending:
-            node = pending.pop()
-            if node is None or _SITE_KEY in node.metadata:
-                continue
-            if site is None:
-                site = _site(self.modules, sys._getframe(1), getattr(func, "__name__", str(func)))
-            node.metadata[_SITE_KEY] = site
-            pending.extend(next_node for next_node, _ in node.next_functions)
-        return result
-
-
 class _OpRecorder(TorchDispatchMode):
     """Fingerprints inputs and outputs of every aten op, in forward and backward."""
 
-    def __init__(self, modules: _ModuleStack) -> None:
+    def __init__(self, modules: ModuleStack) -> None:
         super().__init__()
         self.modules = modules
         self.ops: list[_OpRecord] = []
@@ -333,7 +262,7 @@ class _OpRecorder(TorchDispatchMode):
         try:
             result = func(*args, **kwargs)
         except RuntimeError:
-            self.failed_site = self._site(sys._getframe(1))
+            self.failed_site = str(op_site(self.modules, sys._getframe(1)))
             raise
         generator = kwargs.get("generator")
         with torch._C.DisableTorchFunction():
@@ -341,24 +270,13 @@ class _OpRecorder(TorchDispatchMode):
         self.ops.append(
             _OpRecord(
                 str(func),
-                self._site(sys._getframe(1)),
+                str(op_site(self.modules, sys._getframe(1))),
                 inputs,
                 outputs,
                 generator is not None and generator is not torch.default_generator,
             )
         )
         return result
-
-    def _site(self, frame: FrameType | None) -> str:
-        node = torch._C._current_autograd_node()
-        if node is None:
-            return _site(self.modules, frame, "forward")
-        backward = f"backward ({node.name()})"
-        location = control_flow.user_location(frame)  # a custom Function's backward
-        forward = node.metadata.get(_SITE_KEY)
-        if location:
-            return f"{backward} at {location}"
-        return f"{backward} of {forward}" if forward else backward
 
 
 @dataclasses.dataclass
@@ -373,7 +291,7 @@ class _RecordedRun:
 
 
 def _recorded_run(subject: Subject, cotangents: Cotangents) -> _RecordedRun:
-    modules = _ModuleStack(subject.roots)
+    modules = ModuleStack(subject.roots)
     recorder = _OpRecorder(modules)
     logs: list[control_flow.DecisionLog] = []
     current = threading.current_thread()
@@ -394,7 +312,7 @@ def _recorded_run(subject: Subject, cotangents: Cotangents) -> _RecordedRun:
             with (
                 modules,
                 control_flow.record_decisions() as decisions,
-                _GraphTagger(modules),
+                GraphTagger(modules),
                 recorder,
             ):
                 logs.append(decisions)

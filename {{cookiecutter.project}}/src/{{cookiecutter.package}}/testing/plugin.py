@@ -33,6 +33,8 @@ by side each use their own copy.
   parameter gets a gradient, is held by the optimizer and changes, the loss falls) and
   ``ddp_check`` (the model under real DistributedDataParallel in N processes: unused
   parameters, mismatched collectives and ranks that disagree, named by the decision).
+- The fixture ``finite_check`` (forward and backward finite; otherwise the op that made
+  the first NaN or inf, forward or backward, at the user's line, with its input values).
 
 The hooks are thin: the decisions live in :mod:`..gpus` and :mod:`.global_state`.
 Loading this module does not import torch.
@@ -898,6 +900,24 @@ def export_check(request: pytest.FixtureRequest) -> Callable[..., Any]:
     from .export_check import summary
 
     return _reporting(request, "export_check", check, summary)
+
+
+@pytest.fixture
+def finite_check(request: pytest.FixtureRequest) -> Callable[..., Any]:
+    """``finite_check(model_or_fn, /, *inputs, forward_kwargs=None, inputs_list=None)``.
+
+    Runs forward and backward (the other checks' fixed random cotangents) and fails when
+    an output, a gradient or a changed buffer is NaN or inf, naming the origin: the op
+    that made the first one from values that had none, forward or backward (and of
+    which forward call), the submodule, the user's line, the input values and the cause
+    (``log`` of ``-0.31``, ``0/0``, a softmax over an all ``-inf`` row), with the
+    decisions on the way; a NaN or inf already in an input, a parameter or a buffer is
+    named as such. With ``-v`` each check writes its report. See
+    :func:`.finite_check.finite_check`.
+    """
+    from .finite_check import finite_check as check
+
+    return _reporting(request, "finite_check", check)
 
 
 @pytest.fixture
