@@ -351,14 +351,20 @@ EXPECTED_FAILURES = {
     ],
     "test_log_of_a_negative_number": [
         "E*NonFiniteValues: LogOfLinear: the loss is nan at step 1 of 5",
-        "E*made by torch.log at helpers.py:* `return torch.log(self.head(self.encoder(x)))` "
-        "(the first operation that turned finite values into NaN or inf)",
+        "E*origin (the first operation that turned finite values into NaN or inf): NaN made by "
+        "log of * at element [*] (torch.float32): the logarithm of a negative number, forward "
+        "in the model (LogOfLinear) at helpers.py:*",
+        "E*return torch.log(self.head(self.encoder(x)))",
     ],
     "test_sqrt_under_a_where": [
         "E*NonFiniteValues: SqrtWherePositive: the gradient of encoder.weight has * NaN of 64 "
         "elements (first at [*]: nan) at step 1 of 5; the loss was finite (*)",
-        "E*made by the backward of torch.sqrt (SqrtBackward0) at helpers.py:* "
-        "`return self.head(torch.where(h > 0, torch.sqrt(h), 0.0))`*",
+        "E*origin (the first operation that turned finite values into NaN or inf): NaN made by "
+        "sqrt of * (torch.float32): the square root of a negative number, forward in the model "
+        "(SqrtWherePositive) at helpers.py:*",
+        "E*return self.head(torch.where(h > 0, torch.sqrt(h), 0.0))",
+        "E*The forward made it and the loss did not carry it (a value torch.where or a mask "
+        "discarded): its gradient is NaN all the same.",
     ],
     "test_a_backward_with_the_wrong_sign": [
         "E*LossNotDecreasing: the loss of WrongSign did not decrease in 5 steps of SGD (lr=0.5) "

@@ -27,10 +27,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any
 
 import torch
@@ -38,17 +36,15 @@ import torch
 from . import calls, global_state, options
 from .comparison import bitwise_equal, close_mismatch
 from .control_flow import (
-    UNKNOWN_LOCATION,
     Decision,
-    DecisionMode,
     Location,
     first_divergence,
     record_decisions,
-    user_location,
     without_torch_function_modes,
 )
 from .failures import CheckFailure, most_fundamental
-from .naming import describe_callable, op_name
+from .naming import describe_callable
+from .nonfinite import Birth, find_origins
 from .parameter_use import (
     BRANCH_OPS,
     MAX_FLIPS,
@@ -338,7 +334,7 @@ class _NonFinite:
     step: int
     tensor: str  # "loss", "grad of w", "w"
     description: str
-    culprit: tuple[str, Location] | None = None  # the op that made it, at the user's line
+    culprit: Birth | None = None  # the op that made it, at the user's line
     note: str = ""
 
 
@@ -416,7 +412,7 @@ class _OneBatchTraining:
             self.losses.append(float(loss.detach()))
             if not torch.isfinite(loss.detach()).all():
                 self.non_finite = _NonFinite(
-                    step, "loss", f"the loss is {float(loss.detach())}", self._forward_culprit()
+                    step, "loss", f"the loss is {float(loss.detach())}", self._culprit(False)
                 )
                 break
             if loss.requires_grad:
@@ -447,7 +443,7 @@ class _OneBatchTraining:
                     step,
                     f"grad of {name}",
                     f"the gradient of {name} has {_non_finite_text(grad)}",
-                    self._backward_culprit(),
+                    self._culprit(True),
                     note=f"the loss was finite ({float(loss.detach()):.6g})",
                 )
                 return True
@@ -466,38 +462,18 @@ class _OneBatchTraining:
                 return True
         return False
 
-    def _forward_culprit(self) -> tuple[str, Location] | None:
-        """The first op of the forward that made a non-finite value from finite ones."""
+    def _culprit(self, backward: bool) -> Birth | None:
+        """The op that made the first NaN or inf of this step's forward (and backward):
+        the step replayed under :func:`.nonfinite.find_origins`."""
         inputs = self._start_step()
-        finder = _NonFiniteFinder()
-        with without_torch_function_modes(), torch.no_grad(), finder:
-            self._loss(inputs)
-        return finder.culprit
 
-    def _backward_culprit(self) -> tuple[str, Location] | None:
-        """The first backward node that turned finite gradients into non-finite ones."""
-        inputs = self._start_step()
-        finder = _NonFiniteFinder()
-        with without_torch_function_modes(), finder:
+        def step() -> None:
             loss = self._loss(inputs)
-        nodes = finder.nodes
-        found: list[tuple[str, Location]] = []
+            if backward and loss.requires_grad:
+                torch.autograd.grad(loss, [t for _, t in self.parameters], allow_unused=True)
 
-        def check(node: Any) -> Callable[..., None]:
-            def hook(grad_inputs: tuple, grad_outputs: tuple) -> None:
-                if not found and _all_finite(grad_outputs) and not _all_finite(grad_inputs):
-                    op, location = nodes.get(id(node), (node.name(), UNKNOWN_LOCATION))
-                    found.append((f"the backward of {op} ({node.name()})", location))
-
-            return hook
-
-        handles = [node.register_hook(check(node)) for node in finder.graph_nodes()]
-        try:
-            torch.autograd.grad(loss, [t for _, t in self.parameters], allow_unused=True)
-        finally:
-            for handle in handles:
-                handle.remove()
-        return found[0] if found else None
+        with torch.enable_grad() if backward else torch.no_grad():
+            return find_origins(step, self.subject.roots).origin
 
     def accumulation(
         self, micro_batches: int, rtol: float | None, atol: float | None
@@ -603,11 +579,17 @@ class _OneBatchTraining:
         where = ""
         op = location = None
         if bad.culprit is not None:
-            op, location = bad.culprit
+            op, location = bad.culprit.op, bad.culprit.site.user_line
             where = (
-                f"\n  made by {op} at {located(location)} (the first operation that turned "
-                "finite values into NaN or inf)"
+                f"\n  origin (the first operation that turned finite values into NaN or "
+                f"inf): {bad.culprit}"
+                + (f"\n    {location.source}" if location is not None and location.source else "")
             )
+            if bad.tensor != "loss" and not bad.culprit.backward:
+                where += (
+                    "\n  The forward made it and the loss did not carry it (a value torch.where "
+                    "or a mask discarded): its gradient is NaN all the same."
+                )
         note = f"; {bad.note}" if bad.note else ""
         return NonFiniteValues(
             f"{subject}: {bad.description} at step {bad.step} of {self.steps}{note}{where}",
@@ -794,15 +776,6 @@ def _non_finite_text(tensor: torch.Tensor) -> str:
     )
 
 
-def _all_finite(values: Sequence[Any]) -> bool:
-    return all(
-        not isinstance(v, torch.Tensor)
-        or not v.is_floating_point()
-        or bool(torch.isfinite(v).all())
-        for v in values
-    )
-
-
 def _batch_size(inputs: Any, targets: Any, micro_batches: int) -> int:
     sizes = {
         tensor.shape[0]
@@ -821,35 +794,3 @@ def _batch_size(inputs: Any, targets: Any, micro_batches: int) -> int:
             f"{size} samples into equal micro-batches"
         )
     return size // micro_batches
-
-
-class _NonFiniteFinder(DecisionMode):
-    """Finds the first op whose output is not finite while its inputs are, and keeps the
-    user's line of each op that made a graph node (for the backward's culprit)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.culprit: tuple[str, Location] | None = None
-        self.nodes: dict[int, tuple[str, Location]] = {}
-        self._keep: list[Any] = []  # the nodes, so their ids stay unique
-
-    def decided(self, op: str, args: tuple, result: Any, frame: FrameType) -> None:
-        pass
-
-    def computed(self, func: Any, args: tuple, kwargs: dict | None, result: Any) -> None:
-        outputs = [t for _, t in named_leaves(result, "") if isinstance(t, torch.Tensor)]
-        if not outputs:
-            return
-        name = op_name(func)
-        location = user_location(sys._getframe(1)) or UNKNOWN_LOCATION
-        for tensor in outputs:
-            if tensor.grad_fn is not None and id(tensor.grad_fn) not in self.nodes:
-                self._keep.append(tensor.grad_fn)
-                self.nodes[id(tensor.grad_fn)] = (name, location)
-        if self.culprit is None and not _all_finite(outputs):
-            inputs = [t for _, t in named_leaves((args, kwargs or {}), "")]
-            if _all_finite(inputs):
-                self.culprit = (name, location)
-
-    def graph_nodes(self) -> list[Any]:
-        return list(self._keep)
