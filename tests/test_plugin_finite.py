@@ -224,7 +224,7 @@ def test_finite_check_names_the_origin_of_each_nan_and_passes_finite_runs(plugin
             "test_report": [
                 "E*NonFiniteRun: finite_check hand_norm: the forward and backward of input "
                 "set 0 made non-finite values: grad of input x has 2 NaN of 4 elements (first "
-                "at [0, 0]).",
+                "at [0, 0]: nan).",
                 "E*Origin, in the backward: inf made by div of *, 0 at element [0] "
                 "(torch.float32): a division by 0, backward (SqrtBackward0) of sqrt at "
                 "helpers.py:*",

@@ -315,12 +315,14 @@ def find_origins(run: Callable[[], Any], roots: list[tuple[str, nn.Module]]) -> 
 
 
 def non_finite_text(tensor: torch.Tensor) -> str:
-    """``2 NaN of 12 elements (first at [0, 3])``."""
+    """``2 NaN of 12 elements (first at [0, 3]: nan)``."""
     tensor = tensor.detach()
     nan, inf = int(tensor.isnan().sum()), int(tensor.isinf().sum())
     kinds = [f"{count} {kind}" for count, kind in ((nan, "NaN"), (inf, "inf")) if count]
     bad = ~torch.isfinite(tensor)
     flat = int(bad.reshape(-1).to(torch.uint8).argmax())
     index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), tensor.shape))
-    first = f"at {list(index)}" if index else "the only element"
-    return f"{' and '.join(kinds)} of {tensor.numel()} elements (first {first})"
+    first = f"at {list(index)}: " if index else ""
+    return (
+        f"{' and '.join(kinds)} of {tensor.numel()} elements (first {first}{tensor[index].item()})"
+    )

@@ -44,7 +44,7 @@ from .control_flow import (
 )
 from .failures import CheckFailure, most_fundamental
 from .naming import describe_callable
-from .nonfinite import Birth, find_origins
+from .nonfinite import Birth, find_origins, non_finite_text
 from .parameter_use import (
     BRANCH_OPS,
     MAX_FLIPS,
@@ -442,7 +442,7 @@ class _OneBatchTraining:
                 self.non_finite = _NonFinite(
                     step,
                     f"grad of {name}",
-                    f"the gradient of {name} has {_non_finite_text(grad)}",
+                    f"the gradient of {name} has {non_finite_text(grad)}",
                     self._culprit(True),
                     note=f"the loss was finite ({float(loss.detach()):.6g})",
                 )
@@ -455,7 +455,7 @@ class _OneBatchTraining:
                 self.non_finite = _NonFinite(
                     step,
                     name,
-                    f"the weight {name} has {_non_finite_text(tensor.detach())}",
+                    f"the weight {name} has {non_finite_text(tensor.detach())}",
                     note="after the optimizer step; every gradient was finite "
                     f"({self.optimizer_text})",
                 )
@@ -761,19 +761,6 @@ def _largest(tensor: torch.Tensor) -> float:
         return 0.0
     low, high = torch.aminmax(tensor.detach())
     return max(abs(float(low)), abs(float(high)), key=lambda v: (math.isnan(v), v))
-
-
-def _non_finite_text(tensor: torch.Tensor) -> str:
-    tensor = tensor.detach()
-    nan, inf = int(tensor.isnan().sum()), int(tensor.isinf().sum())
-    kinds = [f"{count} {kind}" for count, kind in ((nan, "NaN"), (inf, "inf")) if count]
-    bad = ~torch.isfinite(tensor)
-    flat = int(bad.reshape(-1).to(torch.uint8).argmax())
-    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), tensor.shape))
-    first = f"at {list(index)}: " if index else ""
-    return (
-        f"{' and '.join(kinds)} of {tensor.numel()} elements (first {first}{tensor[index].item()})"
-    )
 
 
 def _batch_size(inputs: Any, targets: Any, micro_batches: int) -> int:
