@@ -29,9 +29,8 @@ TARGET_RATIO = 1.10
 
 def models():
     import torch
-    from torch import nn
-
     from dynamic_model.models import TopKMixture
+    from torch import nn
 
     yield "TopKMixture (8 features, 4 experts, 64 rows)", TopKMixture(8), torch.randn(64, 8)
     mlp = nn.Sequential(nn.Linear(64, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(),
@@ -79,7 +78,6 @@ def main() -> None:
     use_generated_src(args.src)
 
     import torch
-
     from dynamic_model.testing.finite_check import FiniteCheckFailure, finite_check
     from dynamic_model.testing.runs import Cotangents, run_once
     from dynamic_model.testing.subject import Subject
