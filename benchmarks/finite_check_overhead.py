@@ -13,7 +13,7 @@ CPU time (one torch thread by default: on a shared machine CPU time is the stabl
 figure). Models: the template's top-2 mixture of experts, an MLP, and a transformers
 Llama decoder layer (a transformers-sized block: hidden 256, 4 heads, sequence 64).
 
-    python benchmarks/finite_check_overhead.py [--repeats 7] [--threads 1] [--src SRC]
+    python benchmarks/finite_check_overhead.py [--repeats 15] [--threads 1] [--src SRC]
 """
 
 from __future__ import annotations
@@ -69,71 +69,82 @@ def timed(work, repeats: int) -> tuple[float, float]:
     return best_wall, best_cpu
 
 
+def sides(model, x) -> dict:
+    """The works compared: bare, the check's own set-up run, the fixture, anomaly mode."""
+    import torch
+    from dynamic_model.testing.finite_check import FiniteCheckFailure, finite_check
+    from dynamic_model.testing.runs import Cotangents, run_once
+    from dynamic_model.testing.subject import Subject
+
+    parameters = [p for p in model.parameters() if p.requires_grad]
+
+    def bare():
+        out = model(x)
+        torch.autograd.grad(out, parameters, torch.ones_like(out))
+
+    def anomaly():
+        with torch.autograd.detect_anomaly(check_nan=True):
+            bare()
+
+    def fixture():
+        finite_check(model, x)
+
+    def setup_and_run():
+        subject = Subject(model, (x,), {}, failure=FiniteCheckFailure)
+        try:
+            run_once(subject, Cotangents(0))
+        finally:
+            subject.reset()
+
+    return {
+        "bare": bare,
+        "check's own run": setup_and_run,
+        "finite_check": fixture,
+        "anomaly": anomaly,
+    }
+
+
+def measure(name: str, model, x, repeats: int) -> None:
+    works = sides(model, x)
+    for work in works.values():  # warm every path once
+        work()
+    results = {label: (float("inf"), float("inf")) for label in works}
+    for _ in range(repeats):  # interleaved, the best of each kept
+        for label, work in works.items():
+            wall, cpu = timed(work, 1)
+            results[label] = (min(results[label][0], wall), min(results[label][1], cpu))
+    bare_wall, bare_cpu = results["bare"]
+    run_wall, run_cpu = results["check's own run"]
+    print(f"\n{name}")
+    print(f"  bare forward+backward  {bare_wall:.4f} ({bare_cpu:.4f})")
+    for label in ("finite_check", "anomaly"):
+        wall, cpu = results[label]
+        print(
+            f"  {label:<22} {wall:.4f} ({cpu:.4f})  {wall / bare_wall:.2f}x wall, "
+            f"{cpu / bare_cpu:.2f}x CPU"
+        )
+    wall, cpu = results["finite_check"]
+    print(
+        f"  detection pass: finite_check over its own set-up run (subject copied and put "
+        f"back, forward, backward): {wall / run_wall:.2f}x wall, {cpu / run_cpu:.2f}x CPU"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--src", default=None)
     args = parser.parse_args()
     use_generated_src(args.src)
 
     import torch
-    from dynamic_model.testing.finite_check import FiniteCheckFailure, finite_check
-    from dynamic_model.testing.runs import Cotangents, run_once
-    from dynamic_model.testing.subject import Subject
 
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     print(f"best of {args.repeats}, {args.threads} torch thread(s); wall (CPU) seconds")
     for name, model, x in models():
-        parameters = [p for p in model.parameters() if p.requires_grad]
-
-        def bare():
-            out = model(x)
-            torch.autograd.grad(out, parameters, torch.ones_like(out))
-
-        def anomaly():
-            with torch.autograd.detect_anomaly(check_nan=True):
-                bare()
-
-        def fixture():
-            finite_check(model, x)
-
-        def setup_and_run():
-            subject = Subject(model, (x,), {}, failure=FiniteCheckFailure)
-            try:
-                run_once(subject, Cotangents(0))
-            finally:
-                subject.reset()
-
-        sides = {
-            "bare": bare,
-            "check's own run": setup_and_run,
-            "finite_check": fixture,
-            "anomaly": anomaly,
-        }
-        for work in sides.values():  # warm every path once
-            work()
-        results = {label: (float("inf"), float("inf")) for label in sides}
-        for _ in range(args.repeats):  # interleaved, the best of each kept
-            for label, work in sides.items():
-                wall, cpu = timed(work, 1)
-                results[label] = (min(results[label][0], wall), min(results[label][1], cpu))
-        bare_wall, bare_cpu = results["bare"]
-        run_wall, run_cpu = results["check's own run"]
-        print(f"\n{name}")
-        print(f"  bare forward+backward  {bare_wall:.4f} ({bare_cpu:.4f})")
-        for label in ("finite_check", "anomaly"):
-            wall, cpu = results[label]
-            print(
-                f"  {label:<22} {wall:.4f} ({cpu:.4f})  {wall / bare_wall:.2f}x wall, "
-                f"{cpu / bare_cpu:.2f}x CPU"
-            )
-        wall, cpu = results["finite_check"]
-        print(
-            f"  detection pass: finite_check over its own set-up run (subject copied and put "
-            f"back, forward, backward): {wall / run_wall:.2f}x wall, {cpu / run_cpu:.2f}x CPU"
-        )
+        measure(name, model, x, args.repeats)
     print(
         f"\ntarget: finite_check <= {TARGET_RATIO}x the bare forward+backward (its detection "
         "pass, the reductions read once, on top of the run it checks)"
