@@ -3,7 +3,8 @@
 Each case users hit, with its good case passing: ``log``, ``sqrt`` and ``pow`` of a
 negative number, ``0/0``, a softmax over a fully masked row (a mask of ``-inf`` made by
 the code, and one given as an input to transformers' BERT attention, whose
-``finfo.min`` mask, the fix printed, passes), a float16 overflow under autocast, a NaN
+``finfo.min`` mask, the fix printed, passes), a float16 overflow under autocast, an
+exponential too large for bfloat16, a NaN
 on one side of a data-dependent branch, a NaN born in the backward only (``sqrt`` at
 0), a NaN already in an input or a parameter, and a model under ``torch.compile``.
 Each failure's origin is asserted: the op, forward or backward, the user's line, the
@@ -81,6 +82,11 @@ class Gate(nn.Module):
         return torch.tanh(h).sum()
 
 
+def scores_in_bfloat16(x):
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return torch.exp(x.bfloat16() * 100).float().sum()
+
+
 def hand_norm(x):
     return (x * x).sum(-1).sqrt().sum()
 
@@ -150,6 +156,15 @@ def test_a_float16_overflow_under_autocast(finite_check):
     assert (error.origin.op, error.origin.kind, error.origin.dtype) == ("mm", "inf", torch.float16)
     assert "an overflow" in error.origin.cause and "65504" in error.origin.cause
     finite_check(HalfPrecision(scale=1.0), torch.randn(4, 8))
+
+
+def test_an_exponential_too_large_for_bfloat16(finite_check):
+    torch.manual_seed(0)
+    error = failed(finite_check, scores_in_bfloat16, torch.tensor([0.5, 1.0]))
+    origin = error.origin
+    assert (origin.op, origin.kind, origin.dtype) == ("exp", "inf", torch.bfloat16)
+    assert error.origin.cause == "an exponential too large for the dtype"
+    finite_check(scores_in_bfloat16, torch.tensor([0.05, 0.1]))
 
 
 def test_a_nan_on_one_side_of_a_branch(finite_check):
@@ -234,7 +249,7 @@ def test_finite_check_names_the_origin_of_each_nan_and_passes_finite_runs(plugin
             ]
         },
     )
-    result.assert_outcomes(passed=10, failed=1)
+    result.assert_outcomes(passed=11, failed=1)
     result.stdout.fnmatch_lines(
         [
             "finite_check Logged: forward and backward finite on 1 input set(s), 3 values "
