@@ -256,3 +256,30 @@ def test_finite_check_names_the_origin_of_each_nan_and_passes_finite_runs(plugin
             "looked at (outputs, gradients, changed buffers); * s. Not seen: *"
         ]
     )
+
+
+DECISION_TESTS = """
+import torch
+from helpers import Gate
+
+
+def test_gate(finite_check):
+    torch.manual_seed(0)
+    model = Gate()
+    with torch.no_grad():
+        model.linear.weight.copy_(torch.eye(4))
+        model.linear.bias.zero_()
+    finite_check(model, torch.randn(3, 4) - 2)
+    try:
+        finite_check(model, torch.randn(3, 4) + 0.5)
+    except AssertionError:
+        pass
+"""
+
+
+def test_the_checks_run_counts_for_decisions_and_its_replay_does_not(plugin_pytester):
+    """Two checks, one replayed to find its origin: the gate decided twice, not three times."""
+    plugin_pytester.makepyfile(helpers=HELPERS)
+    result = run_session(plugin_pytester, DECISION_TESTS, "--decisions-source=.")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["helpers.py:*: if h.mean() > 0:", "    branch: True x1, False x1"])

@@ -108,7 +108,6 @@ class FiniteResult:
         )
 
 
-@control_flow.without_torch_function_modes()
 def finite_check(
     model_or_fn: Callable[..., Any],
     /,
@@ -122,7 +121,8 @@ def finite_check(
     Raises :class:`NonFiniteInput` for a NaN or inf already in an input, a parameter or a
     buffer, and :class:`NonFiniteRun` naming the op that made the first NaN or inf.
     A model wrapped by ``torch.compile`` is checked as compiled, and its origin is found
-    by replaying the original module eagerly (the failure says so).
+    by replaying the original module eagerly (the failure says so). Under
+    ``pytest --decisions`` the check's run counts as the test's; the replay does not.
     """
     __tracebackhide__ = True
     reject_unknown_keywords("finite_check", unknown, ("forward_kwargs", "inputs_list"))
