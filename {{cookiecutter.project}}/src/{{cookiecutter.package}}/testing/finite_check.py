@@ -118,8 +118,9 @@ def finite_check(
 ) -> FiniteResult:
     """Run ``model_or_fn`` forward and backward on each input set; every value must be finite.
 
-    Raises :class:`NonFiniteInput` for a NaN or inf already in an input, a parameter or a
-    buffer, and :class:`NonFiniteRun` naming the op that made the first NaN or inf.
+    Raises :class:`NonFiniteInput` for a NaN already in an input or a buffer, or a NaN or
+    inf in a parameter (an input's or a buffer's ``-inf`` may be a mask), and
+    :class:`NonFiniteRun` naming the op that made the first NaN or inf.
     A model wrapped by ``torch.compile`` is checked as compiled, and its origin is found
     by replaying the original module eagerly (the failure says so). Under
     ``pytest --decisions`` the check's run counts as the test's; the replay does not.
