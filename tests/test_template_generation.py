@@ -165,6 +165,7 @@ def test_pyproject_is_valid_and_carries_the_answers(baked):
     assert set(pyproject["project"]["scripts"]) == {
         f"{full['project']}-doctor",
         f"{full['project']}-launch",
+        f"{full['project']}-replay",
         f"{full['project']}-train",
     }
     assert (project / "src" / str(full["package"]) / "__init__.py").is_file()

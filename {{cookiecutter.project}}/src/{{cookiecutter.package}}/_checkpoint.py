@@ -70,6 +70,7 @@ __all__ = [
     "RunSettings",
     "TrainingState",
     "check_fits",
+    "entries",
     "load",
     "rng_state",
     "set_rng_state",
@@ -296,7 +297,7 @@ _LAYOUTS = {
 }
 
 
-def _to_dict(state: TrainingState) -> dict[str, Any]:
+def entries(state: TrainingState) -> dict[str, Any]:
     """The checkpoint's entries as saved: plain values, every tensor on the CPU."""
     position = state.position
     entries = {
@@ -371,7 +372,7 @@ class BackgroundSaver:
 
     def save(self, state: TrainingState, path: Path) -> None:
         self.wait()
-        data = _to_dict(state)
+        data = entries(state)
         with AtomicFile(path, mode=MODE) as target:
             write(data, target)
         self._pending = threading.Thread(

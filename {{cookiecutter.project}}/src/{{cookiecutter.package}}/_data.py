@@ -87,11 +87,17 @@ class EpochBatches(Sampler[BatchKey]):
         return math.ceil(len(self._order) / self.batch_size)
 
     def __iter__(self) -> Iterator[BatchKey]:
-        self._order.set_epoch(self.epoch)
-        order = torch.tensor(list(self._order))
-        for step, indices in enumerate(order.split(self.batch_size)):
+        for step, indices in enumerate(self._batches_of(self.epoch)):
             if step >= self.start:
                 yield BatchKey(self.epoch, step, self.rank, indices)
+
+    def key(self, epoch: int, step: int) -> BatchKey:
+        """The key of step ``step`` (from 0) of epoch ``epoch`` (from 0)."""
+        return BatchKey(epoch, step, self.rank, self._batches_of(epoch)[step])
+
+    def _batches_of(self, epoch: int) -> tuple[torch.Tensor, ...]:
+        self._order.set_epoch(epoch)
+        return torch.tensor(list(self._order)).split(self.batch_size)
 
 
 class SyntheticBatches(Dataset[tuple[torch.Tensor, torch.Tensor]]):

@@ -68,6 +68,7 @@ import argparse
 import contextlib
 import dataclasses
 import enum
+import functools
 import gc
 import math
 import os
@@ -94,12 +95,28 @@ from ._checkpoint import Position, ProcessState, RunSettings, TrainingState
 from ._command import CommandError, command_name, first_line, reports_errors
 from ._data import EpochBatches, SyntheticBatches, loader
 from ._files import UNLOCKED, FolderLock, remove_incomplete
+from ._finite_steps import (
+    CHECKPOINT,
+    RECORD,
+    SKIPS_IN_A_ROW,
+    FiniteSteps,
+    GeneratorsAtStep,
+    NotFiniteStep,
+    OverflowSkips,
+    RankRecord,
+    StepLook,
+    StepRecord,
+    bundle_folder,
+    locate,
+    write_bundle,
+)
 from ._lifetime import end_with_parent
 from ._metrics import EpochMetrics, MetricsLog, RunningMean, tensorboard_missing
 from ._preemption import StopAgreement, StopSignal, stop_signals
 from ._progress import Progress
 from .gpus import cuda_unavailable_reason
 from .models import DynamicNet
+from .testing.nonfinite import non_finite_text
 from .testing.parameter_use import find_unused_parameters_needed
 
 __all__ = [
@@ -117,7 +134,10 @@ PACKAGE = __package__
 IN_FEATURES = 16
 CLASSES = 4
 PRECISIONS = ("32", "bf16", "fp16")
+NONFINITE_MODES = ("stop", "off")
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Sample indices the stop at a non-finite step shows; its bundle holds them all.
+_SAMPLES_SHOWN = 8
 # Settings that make the data set: a checkpoint trained on other data is another run.
 DATA_SETTINGS = ("seed", "samples")
 # Settings a run can be resumed with when they change, though not bit for bit.
@@ -145,6 +165,7 @@ class Config:
     precision: str = "32"
     tensorboard: bool = False
     take_over_lock: str | None = None
+    detect_nonfinite: str = "off"
 
     @property
     def checkpoint(self) -> Path | None:
@@ -401,6 +422,23 @@ def process_states(
     return states
 
 
+def step_under_way(position: Position, steps: int) -> str:
+    """``epoch 2, step 9/32 (step 41 of the run)``: the step after ``position``."""
+    epoch, step, of_run = position.epoch + 1, position.step + 1, position.global_step + 1
+    return f"epoch {epoch}, step {step}/{steps} (step {of_run} of the run)"
+
+
+def step_loss(
+    network: torch.nn.Module,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    autocast: contextlib.AbstractContextManager[Any],
+) -> torch.Tensor:
+    """A step's loss: what training minimizes and ``replay`` checks."""
+    with autocast:
+        return F.cross_entropy(network(inputs), labels)
+
+
 def where(position: Position, steps: int) -> str:
     """``epoch 2, step 8/32 (step 40 of the run)``: 8 of the 32 steps of epoch 2 are done."""
     step = min(position.step, steps)
@@ -491,11 +529,10 @@ class Failed(Exception):
         return f"{type(self.error).__name__}: {self.text}"
 
     def __str__(self) -> str:
-        epoch, step, steps = self.position.epoch + 1, self.position.step + 1, self.steps
-        of_run = self.position.global_step + 1
-        during = f"epoch {epoch}, step {step}/{steps} (step {of_run} of the run)"
-        if self.position.step >= steps:  # after the epoch's last step, at its end
-            during = f"the end of epoch {epoch} (step {self.position.global_step} of the run)"
+        during = step_under_way(self.position, self.steps)
+        if self.position.step >= self.steps:  # after the epoch's last step, at its end
+            epoch, done = self.position.epoch + 1, self.position.global_step
+            during = f"the end of epoch {epoch} (step {done} of the run)"
         return f"training failed in {during}: {self.cause}"
 
 
@@ -518,7 +555,7 @@ class Trainer:
     ) -> None:
         assert config.checkpoint is not None, "no run folder: see prepare_run_dir"
         assert config.run_dir is not None
-        self.config, self.launch, self.device = config, launch, device
+        self.config, self.launch, self.device, self.log = config, launch, device, log
         self.checkpoint = config.checkpoint
         torch.manual_seed(config.seed)
         random.seed(config.seed)  # for the user's code: the example model draws none
@@ -579,6 +616,13 @@ class Trainer:
         self.stops = StopAgreement(stop, distributed=launch.torchrun)
         self.running = RunningMean(device)
         self.started = 0.0
+        self.finite_steps: FiniteSteps | None = None
+        self.overflows: OverflowSkips | None = None
+        self.looked = False  # whether a step of this process was looked at and finite
+        if config.detect_nonfinite == "stop":
+            parameters = list(self.model.parameters())
+            self.finite_steps = FiniteSteps(parameters, device, launch.rank, launch.world_size)
+            self.overflows = OverflowSkips() if self.scaler is not None else None
 
     def _restore(self, state: TrainingState) -> None:
         self.model.load_state_dict(state.model)
@@ -607,22 +651,147 @@ class Trainer:
     def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
         inputs = inputs.to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True)
-        with self.autocast:
-            loss = F.cross_entropy(self.network(inputs), labels)
+        started = None if self.finite_steps is None else GeneratorsAtStep.take(self.device)
+        loss = step_loss(self.network, inputs, labels, self.autocast)
         self.optimizer.zero_grad(set_to_none=True)
         if self.scaler is None:
             loss.backward()
+            if self.finite_steps is not None:
+                look = self.finite_steps.look(loss, gradients=True)
+                self.stop_if_not_finite(look, loss, inputs, labels, started)
             self.optimizer.step()
         else:
             self.scaler.scale(loss).backward()
+            if self.finite_steps is not None:  # the scaler looks at the gradients itself
+                look = self.finite_steps.look(loss, gradients=False)
+                self.stop_if_not_finite(look, loss, inputs, labels, started)
+            scale = self.scaler.get_scale() if self.overflows is not None else 0.0
             self.scaler.step(self.optimizer)
             self.scaler.update()
+            if self.overflows is not None:
+                self.overflows.step(scale, self.scaler.get_scale())
+                if self.overflows.in_a_row >= SKIPS_IN_A_ROW:
+                    look = StepLook((), gradients=True)
+                    self.stop_if_not_finite(look, loss, inputs, labels, started)
         self.running.add(loss, labels.shape[0])
         self.position.step += 1
         self.position.global_step += 1
         if self.progress is not None:
             samples = self.running.count * self.launch.world_size
             self.progress.update(self.position.step, samples, self.running.value)
+
+    def stop_if_not_finite(
+        self,
+        look: StepLook,
+        loss: torch.Tensor,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        started: GeneratorsAtStep | None,
+    ) -> None:
+        """`NotFiniteStep`, if ``look`` saw a NaN or inf, once every process has replayed
+        its batch to find where the first one was born and rank 0 has written the bundle.
+        Every process gets the same ``look``, so all of them stop before this step."""
+        if look.finite and (self.overflows is None or self.overflows.in_a_row < SKIPS_IN_A_ROW):
+            self.looked = True  # a later non-finite parameter was made by an optimizer step
+            return
+        assert started is not None
+        assert self.config.run_dir is not None
+        key = self.batches.key(self.position.epoch, self.position.step)
+        started.restore(self.device)
+        rng = _checkpoint.rng_state(self.device)  # the step's start, as a checkpoint holds it
+        loss_of = functools.partial(step_loss, autocast=self.autocast)
+        origin = locate(self.model, inputs, labels, loss_of)
+        mine = RankRecord(
+            self.launch.rank, key.indices.tolist(), loss.item(), origin, rng, self.running.state()
+        )
+        records: list[Any] = [mine]
+        if self.launch.torchrun:
+            records = [None] * self.launch.world_size
+            dist.all_gather_object(records, mine)
+        folder = bundle_folder(self.config.run_dir, self.position.global_step)
+        record = StepRecord(
+            epoch=self.position.epoch,
+            step=self.position.step,
+            global_step=self.position.global_step,
+            precision=self.config.precision,
+            gradients=look.gradients,
+            ranks=records,
+        )
+        try:
+            if self.launch.rank == 0:
+                processes = [ProcessState(r.rng, r.running) for r in records]
+                write_bundle(folder, self.state(processes), record)
+        finally:
+            if self.launch.torchrun:
+                dist.barrier()  # as at a stop: no process ends its torchrun before the write
+        raise NotFiniteStep(self.not_finite_report(look, record, folder))
+
+    def not_finite_report(self, look: StepLook, record: StepRecord, folder: Path) -> str:
+        losses = [r for r in record.ranks if r.rank in look.losses]
+        seen = ", ".join(
+            f"{r.loss}" + (f" on rank {r.rank}" if self.launch.torchrun else "") for r in losses
+        )
+        what = [f"the loss was {seen}"] if losses else []
+        if look.gradients:
+            what.append(
+                "the gradients were not finite"
+                if self.overflows is None or self.overflows.in_a_row < SKIPS_IN_A_ROW
+                else f"GradScaler skipped {self.overflows.in_a_row} steps in a row: no scale "
+                "makes these gradients finite"
+            )
+        during = step_under_way(self.position, self.steps)
+        if look.parameters:
+            bad = [
+                f"{name} holds {non_finite_text(parameter)}"
+                for name, parameter in self.model.named_parameters()
+                if not bool(torch.isfinite(parameter).all())
+            ]
+            made = (
+                f"the optimizer step of step {self.position.global_step} of the run made "
+                "them so from finite gradients (that step's loss and gradients were "
+                "finite): a learning rate too large for this model (--lr) or an overflow in "
+                "the update"
+                if self.looked
+                else "they were so when this process started (in the checkpoint it resumed)"
+            )
+            then = f" Then {' and '.join(what)}." if what else ""
+            first = f"training stopped before {during}: {'; '.join(bad)}: {made}.{then}"
+        else:
+            first = (
+                f"training stopped before {during}: {' and '.join(what)}; the step was not "
+                "applied, the weights are those before it"
+            )
+        lines = [first]
+        found = [r for r in record.ranks if r.origin is not None]
+        for r in found:
+            if self.launch.torchrun:
+                lines.append(f"On rank {r.rank}:")
+            lines += r.origin
+        if not found and not look.parameters:
+            lines.append(
+                "Replaying the batch under an op recorder made no NaN or inf: the step is not "
+                "reproducible in one process (a random op, a value from outside torch, or "
+                "only the gradient average over the processes overflowed)"
+            )
+        shown = record.ranks[found[0].rank if found else 0]
+        samples = ", ".join(map(str, shown.indices[:_SAMPLES_SHOWN]))
+        more = ", ..." if len(shown.indices) > _SAMPLES_SHOWN else ""
+        rank = f" on rank {shown.rank}" if self.launch.torchrun else ""
+        lines.append(
+            f"The batch{rank}: samples [{samples}{more}] ({len(shown.indices)} samples; every "
+            f"process's are in {RECORD})"
+        )
+        if self.overflows is not None and self.overflows.total:
+            lines.append(str(self.overflows))
+        lines.append(
+            f"Repro bundle: {folder} ({CHECKPOINT}: the model, optimizer and generators before "
+            f"the step; {RECORD}: the step, the batch's samples, the losses and origins)"
+        )
+        replay = [*command_name(f"{PACKAGE}.replay").split(), str(folder)]
+        if found and found[0].rank:
+            replay += ["--rank", str(found[0].rank)]
+        lines.append(f"Replay it under finite_check with: {shlex.join(replay)}")
+        return "\n".join(lines)
 
     def checkpoint_if_due(self) -> None:
         every = self.config.checkpoint_every
@@ -661,10 +830,13 @@ class Trainer:
         """A checkpoint of this position (written by rank 0; every process takes part)."""
         processes = process_states(self.launch, self.device, self.running)
         self.saved_at = self.position.global_step
-        if self.launch.rank != 0:
-            return
+        if self.launch.rank == 0:
+            self.saver.save(self.state(processes), self.checkpoint)
+
+    def state(self, processes: list[ProcessState]) -> TrainingState:
+        """What a checkpoint of this position holds, with every process's ``processes``."""
         epoch_seconds = time.perf_counter() - self.started if self.position.step else 0.0
-        state = TrainingState(
+        return TrainingState(
             position=dataclasses.replace(self.position),
             epoch_seconds=epoch_seconds,
             loss=self.loss,
@@ -674,7 +846,6 @@ class Trainer:
             scaler=None if self.scaler is None else self.scaler.state_dict(),
             processes=processes,
         )
-        self.saver.save(state, self.checkpoint)
 
     def stop_if_signalled(self) -> None:
         """`Stopped`, once a checkpoint of this position is written, if a stop signal came."""
@@ -700,6 +871,8 @@ class Trainer:
             if not in_step:
                 self.stops.close()
             self.saver.wait()
+            if self.launch.rank == 0 and self.overflows is not None and self.overflows.total:
+                print(self.overflows, file=self.log)
         finally:
             if self.metrics is not None:
                 self.metrics.close()
@@ -733,7 +906,7 @@ def train(
             if trainer.position.epoch < config.epochs:
                 trainer.stop_if_signalled()
         in_step = False
-    except (Stopped, Diverged):  # every process raises it after the same step
+    except (Stopped, Diverged, NotFiniteStep):  # every process raises it after the same step
         in_step = False
         raise
     except CommandError:  # already its one line (a full disk): reported as it is
@@ -802,6 +975,12 @@ def directory_path(text: str) -> Path:
     if not text.strip():
         raise argparse.ArgumentTypeError("must be a directory path, got an empty string")
     return Path(text)
+
+
+def nonfinite_mode(text: str) -> str:
+    if text not in NONFINITE_MODES:
+        raise argparse.ArgumentTypeError(f"must be stop or off, got {text!r}")
+    return text
 
 
 def lock_holder(text: str) -> str:
@@ -907,6 +1086,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="also write TensorBoard events into the run folder (needs the tensorboard package)",
     )
     parser.add_argument(
+        "--detect-nonfinite",
+        metavar="{stop,off}",
+        nargs="?",
+        const="stop",
+        default="off",
+        type=nonfinite_mode,
+        help="stop: look at every step's loss and gradients (one device read a step) and "
+        "stop before the first that is not finite, naming the op and line that made it, "
+        "with a bundle in the run folder that replays the step; alone, means stop "
+        "(default: off)",
+    )
+    parser.add_argument(
         "--take-over-lock",
         metavar="PID@HOST",
         type=lock_holder,
@@ -998,10 +1189,10 @@ def run(config: Config, launch: Launch, device: torch.device, resumed: TrainingS
             print(stopped, file=sys.stderr)
             print(f"resume with: {resume_command(config, launch)}", file=sys.stderr)
         return stopped.status
-    except Diverged as diverged:
+    except (Diverged, NotFiniteStep) as ended:
         if launch.rank == 0:
-            print(f"{command_name(f'{PACKAGE}.train')}: error: {diverged}", file=sys.stderr)
-        return diverged.status
+            print(f"{command_name(f'{PACKAGE}.train')}: error: {ended}", file=sys.stderr)
+        return ended.status
     except Failed as failed:
         if failed.kind is Failure.RAISED:  # the user's code: its traceback says where
             traceback.print_exception(failed.error)

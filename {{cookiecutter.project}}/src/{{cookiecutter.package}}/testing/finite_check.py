@@ -32,7 +32,7 @@ from . import control_flow, options
 from .calls import forward_kwargs_of, input_sets, reject_unknown_keywords
 from .failures import CheckFailure
 from .naming import describe_callable
-from .nonfinite import Birth, Origins, find_origins, non_finite_text
+from .nonfinite import Birth, Origins, find_origins, non_finite_text, origin_lines
 from .runs import Cotangents, Key, Run, run_once
 from .subject import FunctionModule, Subject
 
@@ -247,7 +247,7 @@ def _non_finite(
             "reproducible (a random op, a value from outside torch)."
         )
     else:
-        lines += _birth_lines(birth, origins)
+        lines += origin_lines(origins)
         if birth.from_infinity and origins.inf is None and origins.mask is None:
             given = [what for what, t, _ in _held(subject, subject.args) if bool(t.isinf().any())]
             if given:
@@ -269,27 +269,3 @@ def _non_finite(
         origins=origins,
         input_set=number,
     )
-
-
-def _birth_lines(origin: Birth, origins: Origins) -> list[str]:
-    lines = [f"Origin, in the {_phase(origin)}: {origin}"]
-    lines += _source(origin)
-    nan = origins.nan
-    if nan is not None and nan is not origin:
-        lines.append(f"Then, in the {_phase(nan)}: {nan}")
-        lines += _source(nan)
-    if origin is nan and nan.from_infinity and origins.mask is not None:
-        lines.append(f"Its infinite input was put there by the code: {origins.mask}")
-    if origin.decisions:
-        lines.append("Decisions on the way there:")
-        lines += [f"  {decision}" for decision in origin.decisions]
-    return lines
-
-
-def _phase(birth: Birth) -> str:
-    return "backward" if birth.backward else "forward"
-
-
-def _source(birth: Birth) -> list[str]:
-    where = birth.site.user_line
-    return [f"    {where.line}: {where.source}"] if where is not None and where.source else []

@@ -39,7 +39,7 @@ from . import control_flow
 from .control_flow import Decision
 from .op_sites import GraphTagger, ModuleStack, OpSite, op_site
 
-__all__ = ["Birth", "Origins", "find_origins", "non_finite_text"]
+__all__ = ["Birth", "Origins", "find_origins", "non_finite_text", "origin_lines"]
 
 # Decisions listed before a birth: the last ones, which chose the path to it.
 _DECISIONS_SHOWN = 3
@@ -326,3 +326,29 @@ def non_finite_text(tensor: torch.Tensor) -> str:
     return (
         f"{' and '.join(kinds)} of {tensor.numel()} elements (first {first}{tensor[index].item()})"
     )
+
+
+def origin_lines(origins: Origins) -> list[str]:
+    """The report of a run's births: the origin with its line of source, the NaN it made
+    when that is another op's, the mask an infinity came from, the decisions on the way."""
+    origin = origins.origin
+    assert origin is not None, "a run with no birth has no origin to report"
+    lines = [f"Origin, in the {_phase(origin)}: {origin}", *_source(origin)]
+    nan = origins.nan
+    if nan is not None and nan is not origin:
+        lines += [f"Then, in the {_phase(nan)}: {nan}", *_source(nan)]
+    if origin is nan and nan.from_infinity and origins.mask is not None:
+        lines.append(f"Its infinite input was put there by the code: {origins.mask}")
+    if origin.decisions:
+        lines.append("Decisions on the way there:")
+        lines += [f"  {decision}" for decision in origin.decisions]
+    return lines
+
+
+def _phase(birth: Birth) -> str:
+    return "backward" if birth.backward else "forward"
+
+
+def _source(birth: Birth) -> list[str]:
+    where = birth.site.user_line
+    return [f"    {where.line}: {where.source}"] if where is not None and where.source else []

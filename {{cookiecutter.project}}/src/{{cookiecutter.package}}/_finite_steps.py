@@ -1,0 +1,258 @@
+"""``train --detect-nonfinite``: the first step whose loss or gradients are not finite,
+where its first NaN or inf was born, and the bundle that replays that step.
+
+The look at a step is cheap enough to leave on (``benchmarks/train_nonfinite_cost.py``):
+``isfinite`` of the loss, one fused pass over the gradients and one over the
+parameters (the kernel `GradScaler` finds overflows with,
+``_amp_foreach_non_finite_check_and_unscale_``, with a scale of 1, which leaves every
+finite value's bits as they were), and one read of a few flags:
+a device synchronisation per step, never one per op. Under ``torchrun`` the flags are
+summed over the processes first (one all-reduce of ``world_size + 2`` numbers), so
+every process stops after the same step, and each says whether its own loss was
+finite. The optimizer step waits for the look: a non-finite gradient never reaches
+the weights or the optimizer's state, so the state at the stop is the state before
+the step. An optimizer step can still make a weight non-finite from finite gradients
+(an overflow in its update, a learning rate far too large): the next step's look
+sees it in the parameters and names them and that step.
+
+Only then does localization cost more: each process replays its own batch, from the
+random number generators' state at the step's start, under
+`testing.nonfinite.find_origins`, which looks at every op forward and backward. The
+replay runs the model itself, not its DistributedDataParallel wrapper: a NaN born
+on one process is found on that process.
+
+Under fp16, `GradScaler` skips a step whose scaled gradients overflowed and halves its
+scale: that is how it finds its scale, not an error, so those steps are counted
+(`OverflowSkips`). A non-finite loss (computed before any scaling) still stops the
+run, and so do `SKIPS_IN_A_ROW` skips in a row: no scale explains them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _checkpoint
+from ._checkpoint import TrainingState
+from ._files import AtomicFile, write_atomically
+from .testing.nonfinite import find_origins, origin_lines
+
+__all__ = [
+    "BUNDLE_FORMAT",
+    "CHECKPOINT",
+    "RECORD",
+    "SKIPS_IN_A_ROW",
+    "FiniteSteps",
+    "GeneratorsAtStep",
+    "NotFiniteStep",
+    "OverflowSkips",
+    "RankRecord",
+    "StepLook",
+    "StepRecord",
+    "bundle_folder",
+    "locate",
+    "write_bundle",
+]
+
+# GradScaler starts at a scale of 2**16 and halves it at each skip: after 24 skips in a
+# row it is 2**-8, where a float16 gradient overflows only if the true one exceeds
+# 65504 * 256 (1.7e7). That is no scale to find: the gradient itself is not finite.
+SKIPS_IN_A_ROW = 24
+BUNDLE_FORMAT = 1
+CHECKPOINT = "checkpoint.pt"
+RECORD = "step.json"  # written last: a folder without it is an incomplete bundle
+
+
+@dataclass(frozen=True)
+class GeneratorsAtStep:
+    """The random number generators' states at a step's start, taken cheaply every step
+    (Python's state as its tuple, torch's as tensors); `restore` puts them back."""
+
+    python: tuple[Any, ...]
+    torch: torch.Tensor
+    cuda: torch.Tensor | None
+
+    @classmethod
+    def take(cls, device: torch.device) -> GeneratorsAtStep:
+        cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        return cls(random.getstate(), torch.get_rng_state(), cuda)
+
+    def restore(self, device: torch.device) -> None:
+        random.setstate(self.python)
+        torch.set_rng_state(self.torch)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda, device)
+
+
+@dataclass(frozen=True)
+class StepLook:
+    """What a step's look found: the ranks whose loss was not finite, whether the
+    gradients (averaged over the processes) were not, and whether the parameters were
+    not before the step (the optimizer step before it made them so)."""
+
+    losses: tuple[int, ...]
+    gradients: bool
+    parameters: bool = False
+
+    @property
+    def finite(self) -> bool:
+        return not self.losses and not self.gradients and not self.parameters
+
+
+class FiniteSteps:
+    """The look at each step's loss and gradients: computed on the device, read once."""
+
+    def __init__(
+        self, parameters: Sequence[nn.Parameter], device: torch.device, rank: int, world_size: int
+    ) -> None:
+        self.parameters, self.rank, self.world_size = list(parameters), rank, world_size
+        self._flags = torch.zeros(world_size + 2, device=device)
+        self._one = torch.ones((), device=device)
+
+    def look(self, loss: torch.Tensor, *, gradients: bool) -> StepLook:
+        """``gradients``: look at them too (not under `GradScaler`, which does)."""
+        flags = self._flags
+        flags.zero_()
+        flags[self.rank] = torch.logical_not(torch.isfinite(loss.detach())).float()
+        with torch.no_grad():
+            self._any_not_finite([p.detach() for p in self.parameters], flags[-1:])
+            if gradients:
+                grads = [p.grad for p in self.parameters if p.grad is not None]
+                self._any_not_finite(grads, flags[-2:-1])
+        if self.world_size > 1:
+            dist.all_reduce(flags)
+        values = flags.tolist()  # the step's one read of the device
+        losses = tuple(rank for rank, value in enumerate(values[:-2]) if value)
+        return StepLook(losses, gradients=bool(values[-2]), parameters=bool(values[-1]))
+
+    def _any_not_finite(self, tensors: list[torch.Tensor], found: torch.Tensor) -> None:
+        """Set ``found`` (one element) if any of ``tensors`` holds a NaN or inf: the fused
+        kernel takes one dtype (and device) at a time."""
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        for tensor in tensors:
+            by_dtype.setdefault(tensor.dtype, []).append(tensor)
+        for group in by_dtype.values():
+            torch._amp_foreach_non_finite_check_and_unscale_(group, found, self._one)
+
+
+class OverflowSkips:
+    """The steps fp16's `GradScaler` skipped for an overflow: in all, and in a row."""
+
+    def __init__(self) -> None:
+        self.total = self.in_a_row = 0
+
+    def step(self, scale_before: float, scale_after: float) -> None:
+        """After ``scaler.update()``: the scale falls only when the step was skipped."""
+        if scale_after < scale_before:
+            self.total += 1
+            self.in_a_row += 1
+        else:
+            self.in_a_row = 0
+
+    def __str__(self) -> str:
+        return (
+            f"GradScaler skipped {self.total} step(s) for a float16 overflow (counted, not "
+            "errors: it lowers its scale until the gradients fit)"
+        )
+
+
+def locate(
+    model: nn.Module,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    loss_of: Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor],
+) -> list[str] | None:
+    """The report of where the first NaN or inf of this batch's forward and backward was
+    born, or ``None`` when a replay made none (or could not run)."""
+    parameters = [p for p in model.parameters() if p.requires_grad]
+
+    def step() -> None:
+        loss = loss_of(model, inputs, labels)
+        if loss.requires_grad:
+            torch.autograd.grad(loss, parameters, allow_unused=True)
+
+    try:
+        origins = find_origins(step, [("", model)])
+    except Exception:  # the replay is a help: without it the stop still says what it saw
+        return None
+    return origin_lines(origins) if origins.origin is not None else None
+
+
+@dataclass(frozen=True)
+class RankRecord:
+    """One process's part of a non-finite step: its batch, its loss, its generators'
+    states at the step's start (as a checkpoint holds them), its epoch loss so far, and
+    where its first NaN or inf was born (``None`` when its replay made none)."""
+
+    rank: int
+    indices: list[int]
+    loss: float
+    origin: list[str] | None
+    rng: dict[str, Any] = dataclasses.field(repr=False)
+    running: dict[str, Any] = dataclasses.field(repr=False)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """``step.json``: the step (the position before it: epochs done, steps done in the
+    epoch, steps done in the run) and what each process saw."""
+
+    epoch: int
+    step: int
+    global_step: int
+    precision: str
+    gradients: bool  # the averaged gradients were not finite
+    ranks: list[RankRecord]
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "format": BUNDLE_FORMAT,
+                "epoch": self.epoch,
+                "step": self.step,
+                "global_step": self.global_step,
+                "precision": self.precision,
+                "gradients_not_finite": self.gradients,
+                "ranks": [
+                    {
+                        "rank": r.rank,
+                        "loss": repr(r.loss),  # nan and inf are not JSON numbers
+                        "origin": r.origin,
+                        "indices": r.indices,
+                    }
+                    for r in self.ranks
+                ],
+            },
+            indent=1,
+        )
+
+
+class NotFiniteStep(Exception):
+    """Training stopped before a step whose loss or gradients were not finite; the text
+    is the report (several lines), the exit status 1."""
+
+    status = 1
+
+
+def bundle_folder(run_dir: Path, global_step: int) -> Path:
+    """The bundle of the step after ``global_step`` steps: named by that step's number."""
+    return run_dir / f"nonfinite-step-{global_step + 1}"
+
+
+def write_bundle(folder: Path, state: TrainingState, record: StepRecord) -> None:
+    """``checkpoint.pt`` (the state before the step, as `_checkpoint.load` reads any) and
+    then ``step.json``: each replaced whole, so a bundle is complete or has no record."""
+    folder.mkdir(exist_ok=True)
+    with AtomicFile(folder / CHECKPOINT, mode=_checkpoint.MODE) as target:
+        _checkpoint.write(_checkpoint.entries(state), target)
+        target.commit()
+    write_atomically(folder / RECORD, record.to_json() + "\n", mode=_checkpoint.MODE)
