@@ -17,7 +17,7 @@ sees it in the parameters and names them and that step.
 
 Only then does localization cost more: each process replays its own batch, from the
 random number generators' state at the step's start, under
-`testing.nonfinite.find_origins`, which looks at every op forward and backward. The
+`testing.nonfinite.find_loss_origins`, which looks at every op forward and backward. The
 replay runs the model itself, not its DistributedDataParallel wrapper: a NaN born
 on one process is found on that process.
 
@@ -44,7 +44,7 @@ from torch import nn
 from . import _checkpoint
 from ._checkpoint import TrainingState
 from ._files import AtomicFile, write_atomically
-from .testing.nonfinite import find_origins, origin_lines
+from .testing.nonfinite import find_loss_origins, origin_lines
 
 __all__ = [
     "BUNDLE_FORMAT",
@@ -174,14 +174,10 @@ def locate(
     """The report of where the first NaN or inf of this batch's forward and backward was
     born, or ``None`` when a replay made none (or could not run)."""
     parameters = [p for p in model.parameters() if p.requires_grad]
-
-    def step() -> None:
-        loss = loss_of(model, inputs, labels)
-        if loss.requires_grad:
-            torch.autograd.grad(loss, parameters, allow_unused=True)
-
     try:
-        origins = find_origins(step, [("", model)])
+        origins = find_loss_origins(
+            lambda: loss_of(model, inputs, labels), [("", model)], parameters
+        )
     except Exception:  # the replay is a help: without it the stop still says what it saw
         return None
     return origin_lines(origins) if origins.origin is not None else None

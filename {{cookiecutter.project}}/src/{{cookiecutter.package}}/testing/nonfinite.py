@@ -39,7 +39,7 @@ from . import control_flow
 from .control_flow import Decision
 from .op_sites import GraphTagger, ModuleStack, OpSite, op_site
 
-__all__ = ["Birth", "Origins", "find_origins", "non_finite_text", "origin_lines"]
+__all__ = ["Birth", "Origins", "find_loss_origins", "find_origins", "non_finite_text", "origin_lines"]
 
 # Decisions listed before a birth: the last ones, which chose the path to it.
 _DECISIONS_SHOWN = 3
@@ -312,6 +312,21 @@ def find_origins(run: Callable[[], Any], roots: list[tuple[str, nn.Module]]) -> 
         with finder:
             run()
     return Origins(finder.nan, finder.inf, finder.mask)
+
+
+def find_loss_origins(
+    loss_of: Callable[[], torch.Tensor], roots: list[tuple[str, nn.Module]], wrt: list[torch.Tensor]
+) -> Origins:
+    """:func:`find_origins` of a loss's forward and its backward to ``wrt``. The backward
+    is called from here, the plugin's code, so each backward op is named by the forward
+    call that made its node rather than by the line that asked for the gradients."""
+
+    def run() -> None:
+        loss = loss_of()
+        if loss.requires_grad:
+            torch.autograd.grad(loss, wrt, allow_unused=True)
+
+    return find_origins(run, roots)
 
 
 def non_finite_text(tensor: torch.Tensor) -> str:
