@@ -192,7 +192,7 @@ def test_a_nan_born_in_backward_is_named_there(default_project: Path, tmp_path: 
     assert origin, result.stderr
     assert re.fullmatch(
         r"NaN made by div of 0, -?0 at element \[\d+, 0\] \(torch\.float32\): 0/0, backward "
-        r"\(SqrtBackward0\) of sqrt in the model \(DynamicNet\) at sitecustomize\.py:9",
+        r"\(SqrtBackward0\) of sqrt in the model \(DynamicNet\) at sitecustomize\.py:10",
         origin[1],
     ), origin[1]
 
