@@ -10,7 +10,9 @@ is run as printed.
 
 from __future__ import annotations
 
+import io
 import json
+import math
 import re
 import shlex
 from pathlib import Path
@@ -255,3 +257,66 @@ def test_a_bad_mode_is_refused(default_project: Path):
         f"python -m {DEFAULT_PACKAGE}.train: error: argument --detect-nonfinite: must be stop "
         "or off, got 'warn'"
     )
+
+
+@pytest.fixture
+def fp16_on_the_cpu(train_module, monkeypatch: pytest.MonkeyPatch):
+    """``train``'s fp16 on the CPU, where the command refuses it (no CUDA here).
+
+    A stand-in for CUDA's fp16: ``torch.amp.GradScaler("cpu")`` runs the same code as
+    on CUDA for what the overflow count depends on: a step whose scaled gradients hold
+    an inf or NaN is skipped (the optimizer's ``step`` is not called) and the scale is
+    halved (``backoff_factor``), doubled after ``growth_interval`` (2000) clean steps,
+    and ``get_scale()`` reads it; autocast's float16 matmuls overflow at 65504 on both.
+    """
+
+    def run(forward, tmp_path: Path) -> tuple[float | None, str]:
+        monkeypatch.setattr(train_module.DynamicNet, "forward", forward)
+        config = train_module.Config(
+            device="cpu", samples=2048, batch_size=64, epochs=1, precision="fp16",
+            run_dir=tmp_path, detect_nonfinite="stop",
+        )  # fmt: skip
+        log = io.StringIO()
+        device = torch.device("cpu")
+        with train_module.stop_signals() as stop:
+            try:
+                loss = train_module.train(config, train_module.Launch(), device, log=log, stop=stop)
+            except train_module.NotFiniteStep as stopped:
+                return None, f"{log.getvalue()}{stopped}"
+        return loss, log.getvalue()
+
+    return run
+
+
+def test_fp16_overflow_skips_are_counted_not_errors(train_module, fp16_on_the_cpu, tmp_path):
+    forward = train_module.DynamicNet.forward
+
+    def large_logits(self, x):  # scaled by 65536, their gradients overflow float16 at first
+        return forward(self, x) * 1000.0
+
+    loss, log = fp16_on_the_cpu(large_logits, tmp_path)
+    assert loss is not None and math.isfinite(loss), log
+    skipped = re.search(r"GradScaler skipped (\d+) step\(s\) for a float16 overflow", log)
+    assert skipped, log
+    assert 1 <= int(skipped[1]) < 24
+    assert not list(tmp_path.glob("nonfinite-step-*"))
+
+
+def test_fp16_skips_without_end_stop_the_run(train_module, fp16_on_the_cpu, tmp_path):
+    forward = train_module.DynamicNet.forward
+
+    def nan_in_backward(self, x):
+        out = forward(self, x)
+        return out + torch.sqrt(out[:, :1] * 0.0)
+
+    loss, report = fp16_on_the_cpu(nan_in_backward, tmp_path)
+    assert loss is None
+    lines = report.splitlines()
+    assert lines[0] == (
+        "training stopped before epoch 1, step 24/32 (step 24 of the run): GradScaler skipped "
+        "24 steps in a row: no scale makes these gradients finite; the step was not applied, "
+        "the weights are those before it"
+    )
+    assert lines[1].startswith("Origin, in the backward: NaN made by div of 0, ")
+    assert "(SqrtBackward0) of sqrt in the model (DynamicNet) at " in lines[1]
+    assert (tmp_path / "nonfinite-step-24" / "step.json").is_file()

@@ -871,8 +871,6 @@ class Trainer:
             if not in_step:
                 self.stops.close()
             self.saver.wait()
-            if self.launch.rank == 0 and self.overflows is not None and self.overflows.total:
-                print(self.overflows, file=self.log)
         finally:
             if self.metrics is not None:
                 self.metrics.close()
@@ -906,6 +904,8 @@ def train(
             if trainer.position.epoch < config.epochs:
                 trainer.stop_if_signalled()
         in_step = False
+        if launch.rank == 0 and trainer.overflows is not None and trainer.overflows.total:
+            print(trainer.overflows, file=trainer.log)
     except (Stopped, Diverged, NotFiniteStep):  # every process raises it after the same step
         in_step = False
         raise
