@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import DEFAULT_PACKAGE, module_environment, run_module
 from training import (
     EPOCHS,
     SMALL,
@@ -31,8 +32,6 @@ from training import (
     torchrun,
     train,
 )
-
-from conftest import DEFAULT_PACKAGE, module_environment, run_module
 
 # A model with a user's bug: the square root of a spread that is negative for the few
 # samples whose largest input exceeds 12 (about one in 300 of the synthetic data).
@@ -244,7 +243,7 @@ def test_under_torchrun_every_rank_stops_at_the_same_step_naming_the_one_that_sa
     replayed = run_printed(default_project, command, PYTHONPATH=f"{bug}:{default_project / 'src'}")
     assert replayed.returncode == 1, replayed.stderr
     assert f"rank {rank}'s 32 samples" in replayed.stderr
-    other = shlex.split(command)[:4] + ["--rank", str(1 - rank)]
+    other = [*shlex.split(command)[:4], "--rank", str(1 - rank)]
     replayed = run_printed(default_project, shlex.join(other))
     assert replayed.returncode == 0, replayed.stderr
     assert "not reproduced" in replayed.stdout
@@ -295,7 +294,8 @@ def test_fp16_overflow_skips_are_counted_not_errors(train_module, fp16_on_the_cp
         return forward(self, x) * 1000.0
 
     loss, log = fp16_on_the_cpu(large_logits, tmp_path)
-    assert loss is not None and math.isfinite(loss), log
+    assert loss is not None, log
+    assert math.isfinite(loss), log
     skipped = re.search(r"GradScaler skipped (\d+) step\(s\) for a float16 overflow", log)
     assert skipped, log
     assert 1 <= int(skipped[1]) < 24

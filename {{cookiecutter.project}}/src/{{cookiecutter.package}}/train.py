@@ -83,7 +83,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from signal import Signals
-from typing import Any, TextIO
+from typing import Any, NoReturn, TextIO
 
 import torch
 import torch.distributed as dist
@@ -621,7 +621,7 @@ class Trainer:
         self.looked = False  # whether a step of this process was looked at and finite
         if config.detect_nonfinite == "stop":
             parameters = list(self.model.parameters())
-            self.finite_steps = FiniteSteps(parameters, device, launch.rank, launch.world_size)
+            self.finite_steps = FiniteSteps(parameters, device, launch.world_size)
             self.overflows = OverflowSkips() if self.scaler is not None else None
 
     def _restore(self, state: TrainingState) -> None:
@@ -657,22 +657,19 @@ class Trainer:
         if self.scaler is None:
             loss.backward()
             if self.finite_steps is not None:
-                look = self.finite_steps.look(loss, gradients=True)
-                self.stop_if_not_finite(look, loss, inputs, labels, started)
+                self.stop_if_not_finite(loss, inputs, labels, started, gradients=True)
             self.optimizer.step()
         else:
             self.scaler.scale(loss).backward()
             if self.finite_steps is not None:  # the scaler looks at the gradients itself
-                look = self.finite_steps.look(loss, gradients=False)
-                self.stop_if_not_finite(look, loss, inputs, labels, started)
+                self.stop_if_not_finite(loss, inputs, labels, started, gradients=False)
             scale = self.scaler.get_scale() if self.overflows is not None else 0.0
             self.scaler.step(self.optimizer)
             self.scaler.update()
             if self.overflows is not None:
                 self.overflows.step(scale, self.scaler.get_scale())
                 if self.overflows.in_a_row >= SKIPS_IN_A_ROW:
-                    look = StepLook((), gradients=True)
-                    self.stop_if_not_finite(look, loss, inputs, labels, started)
+                    self.stop_not_finite(loss, inputs, labels, started, gradients=True)
         self.running.add(loss, labels.shape[0])
         self.position.step += 1
         self.position.global_step += 1
@@ -682,18 +679,34 @@ class Trainer:
 
     def stop_if_not_finite(
         self,
-        look: StepLook,
         loss: torch.Tensor,
         inputs: torch.Tensor,
         labels: torch.Tensor,
         started: GeneratorsAtStep | None,
+        *,
+        gradients: bool,
     ) -> None:
-        """`NotFiniteStep`, if ``look`` saw a NaN or inf, once every process has replayed
-        its batch to find where the first one was born and rank 0 has written the bundle.
-        Every process gets the same ``look``, so all of them stop before this step."""
-        if look.finite and (self.overflows is None or self.overflows.in_a_row < SKIPS_IN_A_ROW):
-            self.looked = True  # a later non-finite parameter was made by an optimizer step
+        """`stop_not_finite` unless the step's loss, weights and (with ``gradients``)
+        gradients are finite on every process."""
+        assert self.finite_steps is not None
+        if self.finite_steps.finite(loss, gradients=gradients):
+            self.looked = True  # a later non-finite weight was made by an optimizer step
             return
+        self.stop_not_finite(loss, inputs, labels, started, gradients=gradients)
+
+    def stop_not_finite(
+        self,
+        loss: torch.Tensor,
+        inputs: torch.Tensor,
+        labels: torch.Tensor,
+        started: GeneratorsAtStep | None,
+        *,
+        gradients: bool,
+    ) -> NoReturn:
+        """`NotFiniteStep`, once every process has replayed its batch to find where the
+        first NaN or inf was born and rank 0 has written the bundle. Every process calls
+        it before the same step."""
+        assert self.finite_steps is not None
         assert started is not None
         assert self.config.run_dir is not None
         key = self.batches.key(self.position.epoch, self.position.step)
@@ -708,6 +721,8 @@ class Trainer:
         if self.launch.torchrun:
             records = [None] * self.launch.world_size
             dist.all_gather_object(records, mine)
+        losses = tuple(r.rank for r in records if not math.isfinite(r.loss))
+        look = self.finite_steps.what(losses, gradients=gradients)
         folder = bundle_folder(self.config.run_dir, self.position.global_step)
         record = StepRecord(
             epoch=self.position.epoch,

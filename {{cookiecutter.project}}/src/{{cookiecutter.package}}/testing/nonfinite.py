@@ -39,7 +39,14 @@ from . import control_flow
 from .control_flow import Decision
 from .op_sites import GraphTagger, ModuleStack, OpSite, op_site
 
-__all__ = ["Birth", "Origins", "find_loss_origins", "find_origins", "non_finite_text", "origin_lines"]
+__all__ = [
+    "Birth",
+    "Origins",
+    "find_loss_origins",
+    "find_origins",
+    "non_finite_text",
+    "origin_lines",
+]
 
 # Decisions listed before a birth: the last ones, which chose the path to it.
 _DECISIONS_SHOWN = 3
