@@ -331,10 +331,9 @@ def omp_threads_lines(job: SlurmJob) -> list[str]:
             f"{processes} process(es)"
         ]
     return [
-        "# OMP_NUM_THREADS: the task's CPUs shared by its "
-        f"{processes} process(es), at least 1. SLURM_CPUS_PER_TASK",
-        "# is set when the job asked for CPUs per task; else the step (not --exact) has all",
-        "# of the job's CPUs on the node, SLURM_CPUS_ON_NODE; else 1, SLURM's default.",
+        f"# OMP_NUM_THREADS: the CPUs of a node's task shared by its {processes} process(es), at",
+        "# least 1: SLURM_CPUS_PER_TASK when the job asked for CPUs per task, else the CPUs",
+        "# it has on this node (srun's step, without --exact, gets them all), else 1.",
         f"threads=$((${{SLURM_CPUS_PER_TASK:-${{SLURM_CPUS_ON_NODE:-1}}}} / {processes}))",
         "export OMP_NUM_THREADS=$((threads > 1 ? threads : 1))",
     ]
@@ -761,7 +760,7 @@ def setup_line(text: str) -> str:
 def setup_file(text: str) -> list[str]:
     """The lines of the file ``text`` names, each checked as `setup_line` checks one."""
     try:
-        content = Path(text).read_text(encoding="utf-8")
+        content = Path(text).read_bytes().decode("utf-8")  # newlines as they are: \r shown
     except OSError as error:
         raise argparse.ArgumentTypeError(
             f"cannot read {text}: {error.strerror or error}"
