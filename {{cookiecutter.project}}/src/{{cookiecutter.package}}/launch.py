@@ -548,7 +548,12 @@ def submit(job: SlurmJob, script: str) -> Submitted:
         made.append(Path(temporary))
         with os.fdopen(fd, "w") as file:
             file.write(script)
-        answer = _run(["sbatch", "--parsable", "--hold", temporary])
+        # A held job is accepted even when no node can ever run it (GPUs of a type the
+        # cluster lacks): released, it would wait forever (BadConstraints). --test-only
+        # refuses it, and submits nothing.
+        answer = _run(["sbatch", "--test-only", temporary])
+        if answer.returncode == 0:
+            answer = _run(["sbatch", "--parsable", "--hold", temporary])
         if answer.returncode != 0:
             reason = "; ".join((answer.stderr or answer.stdout).strip().splitlines())
             raise SubmitError(f"sbatch refused the job: {reason}")
