@@ -247,7 +247,10 @@ def usage_error(launch, capsys, *argv: str) -> str:
             "CPUs and OMP_NUM_THREADS follow",
         ),
         (["--setup", " "], f"argument --setup: {SETUP_LINE}, got ' '"),
-        (["--setup", "module load a\nrm -rf x"], f"argument --setup: {SETUP_LINE}, got 'module load a\\nrm -rf x'"),
+        (
+            ["--setup", "module load a\nrm -rf x"],
+            f"argument --setup: {SETUP_LINE}, got 'module load a\\nrm -rf x'",
+        ),
         (["--setup", "a\x00b"], f"argument --setup: {SETUP_LINE}, got 'a\\x00b'"),
         (["--setup", "echo \u202eoops"], f"argument --setup: {SETUP_LINE}, got 'echo \\u202eoops'"),
         (
@@ -652,7 +655,8 @@ def test_omp_threads_from_slurm(
     """Without --cpus-per-task, OMP_NUM_THREADS comes from what SLURM tells the batch
     shell, shared by the node's processes (run here in bash, with those variables)."""
     script = dry_run(launch, capsys, "--gpus-per-node", "0", "--nproc-per-node", str(processes))
-    lines = [line for line in script.splitlines() if re.match("threads=|export OMP_NUM_THREADS=", line)]
+    made = re.compile("threads=|export OMP_NUM_THREADS=")
+    lines = [line for line in script.splitlines() if made.match(line)]
     assert len(lines) == 2, lines
     shell = "set -eu\n" + "\n".join(lines) + '\necho "$OMP_NUM_THREADS"'
     ran = subprocess.run(

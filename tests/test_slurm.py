@@ -536,7 +536,8 @@ def test_sbatch_answers_with_more_than_the_job_id(
         r"job (\d+) held with this script; job (\d+) cancelled\n",
         refused.stderr,
     )
-    assert match is not None and match[1] == match[2], refused.stderr
+    assert match is not None, refused.stderr
+    assert match[1] == match[2], refused.stderr
     assert cluster.job_state(int(match[1])) == "CANCELLED"
     assert list(work.iterdir()) == []
     held = cluster.run(

@@ -91,7 +91,14 @@ from .train import UsageError, positive_int
 from .train import build_parser as build_train_parser
 
 __all__ = [
-    "Container", "Gpus", "Runtime", "SlurmJob", "Submitted", "main", "render_script", "submit",
+    "Container",
+    "Gpus",
+    "Runtime",
+    "SlurmJob",
+    "Submitted",
+    "main",
+    "render_script",
+    "submit",
 ]
 
 PACKAGE = __package__
@@ -526,7 +533,9 @@ def owner_text(job: SlurmJob, job_id: int) -> str:
 def submit(job: SlurmJob, script: str) -> Submitted:
     """Write ``script`` into the run folder and submit it; `SubmitError` when SLURM refuses.
 
-    The job is submitted held: its run folder (named after the job id, unless
+    ``sbatch --test-only`` first takes the script or refuses it with sbatch's reason
+    (a held job is accepted even when no node can run it). The job is then submitted
+    held: its run folder (named after the job id, unless
     ``--run-dir``) is only known once sbatch answers, and the job's log goes into it.
     The folder is then made, never taken over (job ids repeat: a new job that finds a
     folder of its id is cancelled), the script moved in, `OWNER` written (the token the
@@ -767,9 +776,7 @@ def setup_file(text: str) -> list[str]:
     try:
         content = Path(text).read_bytes().decode("utf-8")  # newlines as they are: \r shown
     except OSError as error:
-        raise argparse.ArgumentTypeError(
-            f"cannot read {text}: {error.strerror or error}"
-        ) from None
+        raise argparse.ArgumentTypeError(f"cannot read {text}: {error.strerror or error}") from None
     except UnicodeDecodeError as error:
         raise argparse.ArgumentTypeError(f"{text} is not UTF-8 text ({error.reason})") from None
     lines = content.removesuffix("\n").split("\n") if content else []
@@ -827,8 +834,7 @@ def build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         "--gres",
         metavar="gpu:[TYPE:]G",
         type=gres_gpus,
-        help="GPUs per node as a generic resource, e.g. gpu:a100:4 (sites without "
-        "--gpus-per-node)",
+        help="GPUs per node as a generic resource, e.g. gpu:a100:4 (sites without --gpus-per-node)",
     )
     add(
         "--nproc-per-node",
