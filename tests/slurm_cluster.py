@@ -13,6 +13,11 @@ machines. A third node, ``r1`` in partition ``remote``, is configured on another
 and never started: it is what a cluster whose nodes are other machines looks like
 to ``sinfo``.
 
+Each of ``n1`` and ``n2`` has two GPUs of type ``tesla`` (``GRES``): ``gres.conf``
+names two empty files as their devices, so sbatch takes and the scheduler allocates
+typed GPU requests (``--gpus-per-node=tesla:2``, ``--gres=gpu:tesla:1``) and refuses
+others (``v100``, three per node), while no GPU is there to run on.
+
 Two settings differ from SLURM's defaults to keep the tests short:
 ``cred_expire=5`` (a requeued job waits ``cred_expire`` + 1 s before it may start
 again, 121 s by default) and ``sched_interval=1`` (the scheduler looks at pending
@@ -44,6 +49,9 @@ DAEMONS = {
     "sbatch": "slurm-client",
 }
 NODES = ("n1", "n2")
+# Each node's GPUs as SLURM counts them: gres/gpu reports no GPU without device files,
+# so gres.conf names empty files (a count alone left the nodes INVAL: 0 < 2).
+GPU_TYPE, GPUS_PER_NODE = "tesla", 2
 START_TIMEOUT_S = 60
 
 
@@ -86,7 +94,8 @@ def first_job_id(taken: dict[str, int]) -> int:
 def slurm_conf(root: Path, ports: dict[str, int]) -> str:
     host = socket.gethostname()
     nodes = "\n".join(
-        f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={ports[node]} CPUs=1"
+        f"NodeName={node} NodeHostname={host} NodeAddr=127.0.0.1 Port={ports[node]} CPUs=1 "
+        f"Gres=gpu:{GPU_TYPE}:{GPUS_PER_NODE}"
         for node in NODES
     )
     return f"""\
@@ -104,6 +113,7 @@ SchedulerType=sched/builtin
 SchedulerParameters=sched_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
+GresTypes=gpu
 ProctrackType=proctrack/linuxproc
 TaskPlugin=task/none
 JobAcctGatherType=jobacct_gather/none
@@ -213,6 +223,12 @@ def start(root: Path) -> Cluster:
     ports = {name: free_port() for name in ("slurmctld", *NODES, "r1")}
     conf = root / "slurm.conf"
     conf.write_text(slurm_conf(root, ports))
+    (root / "dev").mkdir()
+    for index in range(GPUS_PER_NODE):
+        (root / "dev" / f"gpu{index}").touch()
+    (root / "gres.conf").write_text(
+        f"Name=gpu Type={GPU_TYPE} File={root}/dev/gpu[0-{GPUS_PER_NODE - 1}]\n"
+    )
     cluster = Cluster(root, {**os.environ, "SLURM_CONF": str(conf)})
     daemons = {
         # --force: munged only warns that a folder above its socket (pytest's temporary

@@ -11,8 +11,11 @@ bitwise equal to an uninterrupted 2-process run; near the time limit (SIGUSR1 to
 batch shell, from scancel or from SLURM at a real 3-minute limit) train must have
 stopped before the job is requeued. Another job of the same kind is ended by
 ``scancel --signal=TERM`` and must keep the checkpoint of the step it stopped at.
-Without training: a job id whose run folder exists, a --run-dir taken over by a newer
-job, ``sbatch`` wrappers that add a line or print no id, a refused ``scontrol release``.
+A short two-node job with ``--setup`` lines, which must run on each node before
+torchrun. Without training: typed GPU requests in sbatch's ``--test-only`` (the
+cluster has two ``tesla`` GPUs per node), a job id whose run folder exists, a
+--run-dir taken over by a newer job, ``sbatch`` wrappers that add a line or print no
+id, a refused ``scontrol release``.
 """
 
 from __future__ import annotations
@@ -314,18 +317,94 @@ def test_run_folder_on_a_local_disk_is_refused_for_other_machines(
 def test_a_job_sbatch_refuses_leaves_nothing_behind(
     cluster, default_project: Path, tmp_path: Path
 ) -> None:
-    """A GPU job on a cluster without GPUs: sbatch's own reason, one line, exit 1, and
-    neither the run folder nor the ``runs`` folder made for it is left."""
+    """GPUs of a type the cluster does not have (--force: the test environment's torch
+    is a CPU build), which a held job would wait for forever (BadConstraints): refused
+    by ``sbatch --test-only``, in sbatch's own words, one line, exit 1; nothing queued,
+    and neither the run folder nor the ``runs`` folder made for it is left."""
     environ = {**module_environment(default_project), "SLURM_CONF": cluster.env["SLURM_CONF"]}
     refused = run_module(
-        default_project, LAUNCH, "slurm", "--gpus-per-node", "1", env=environ, cwd=tmp_path
-    )
+        default_project, LAUNCH, "slurm", "--gpus-per-node", "v100:1", "--force",
+        env=environ, cwd=tmp_path,
+    )  # fmt: skip
     assert refused.returncode == 1, refused.stdout + refused.stderr
     assert refused.stderr == (
-        f"python -m {LAUNCH} slurm: error: sbatch refused the job: sbatch: error: Invalid "
-        "generic resource (gres) specification\n"
+        f"python -m {LAUNCH} slurm: error: sbatch refused the job: allocation failure: "
+        "Requested node configuration is not available\n"
     )
     assert list(tmp_path.iterdir()) == []
+    queued = cluster.run("squeue", "--noheader", "--states=all", f"--name={DEFAULT_PACKAGE}")
+    assert "BadConstraints" not in queued.stdout, queued.stdout
+
+
+def test_typed_gpus_as_sbatch_takes_them(cluster, default_project: Path, tmp_path: Path) -> None:
+    """The scripts launch writes for each form of a GPU request, given to ``sbatch
+    --test-only`` (which schedules and submits nothing): the forms the cluster's GPUs
+    (`slurm_cluster.GPU_TYPE`, 2 per node) can meet are taken, a type it lacks or more
+    per node than it has are refused."""
+    gpus = f"{slurm_cluster.GPU_TYPE}:{slurm_cluster.GPUS_PER_NODE}"
+    forms = {
+        ("--gpus-per-node", gpus): "n1",
+        ("--gpus-per-node", "2"): "n1",
+        ("--nodes", "2", "--gpus", f"{slurm_cluster.GPU_TYPE}:4"): "n[1-2]",
+        ("--nodes", "2", "--gres", f"gpu:{slurm_cluster.GPU_TYPE}:1"): "n[1-2]",
+        ("--gpus-per-node", "v100:1"): None,
+        ("--gres", f"gpu:{slurm_cluster.GPU_TYPE}:3"): None,
+    }
+    environ = launch_env(cluster, default_project)
+    for form, nodes in forms.items():
+        written = run_module(
+            default_project, LAUNCH, "slurm", "--dry-run", *form, env=environ, cwd=tmp_path
+        )
+        assert written.returncode == 0, written.stderr
+        script = tmp_path / "job.sbatch"
+        script.write_text(written.stdout)
+        tested = cluster.run("sbatch", "--test-only", str(script), check=False)
+        if nodes is None:
+            assert tested.returncode == 1, (form, tested.stderr)
+            assert tested.stderr.strip().endswith(
+                "Requested node configuration is not available"
+            ), (form, tested.stderr)
+        else:
+            assert tested.returncode == 0, (form, tested.stderr)
+            assert f" on nodes {nodes} in partition debug" in tested.stderr, (form, tested.stderr)
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["job.sbatch"]
+
+
+def test_setup_lines_run_on_each_node_before_torchrun(
+    cluster, default_project: Path, tmp_path: Path
+) -> None:
+    """A two-node job with a --setup line and a --setup-file: each node's step runs them
+    (a file per node, named after it, written by them) with the job's OMP_NUM_THREADS
+    (1: each node has 1 CPU) and a variable an earlier line exported, then torchrun,
+    whose two processes train."""
+    (tmp_path / "site.sh").write_text(
+        "export SITE=ready\n"
+        'echo "$SITE on $SLURMD_NODENAME OMP_NUM_THREADS=$OMP_NUM_THREADS" '
+        '> "setup-$SLURMD_NODENAME.txt"\n'
+    )
+    options = ("--nodes", "2", "--gpus-per-node", "0", "--run-dir", "run", "--time", "5")
+    submitted = run_module(
+        default_project, LAUNCH, "slurm", *options,
+        "--setup", "echo \"$(date -Is) $SLURMD_NODENAME\" >> setup-order.txt",
+        "--setup-file", "site.sh",
+        "--", "--samples", "64", "--batch-size", "32", "--epochs", "1",
+        env=launch_env(cluster, default_project), cwd=tmp_path,
+    )  # fmt: skip
+    assert submitted.returncode == 0, submitted.stderr
+    job_id, run_dir = submitted_job(submitted.stdout)
+    cluster.wait_for(
+        f"job {job_id} ended",
+        lambda: cluster.job_state(job_id) in ("COMPLETED", "FAILED", "CANCELLED"),
+        180,
+    )
+    log = (run_dir / f"slurm-{job_id}.out").read_text()
+    assert cluster.job_state(job_id) == "COMPLETED", log
+    assert "trained 1 epochs on 2 processes on cpu (gloo)" in log, log
+    for node in slurm_cluster.NODES:
+        marker = (tmp_path / f"setup-{node}.txt").read_text()
+        assert marker == f"ready on {node} OMP_NUM_THREADS=1\n", log
+    order = (tmp_path / "setup-order.txt").read_text().split()
+    assert sorted(order[1::2]) == list(slurm_cluster.NODES), order  # once on each node
 
 
 def launch_env(cluster: slurm_cluster.Cluster, project: Path, *path: Path) -> dict[str, str]:
@@ -336,11 +415,11 @@ def launch_env(cluster: slurm_cluster.Cluster, project: Path, *path: Path) -> di
 
 
 def next_job_id(cluster: slurm_cluster.Cluster) -> int:
-    """The id SLURM gives the next job: one more than that of a job submitted (held) and
-    cancelled here."""
+    """The id SLURM gives the next job launch submits: two more than that of a job
+    submitted (held) and cancelled here, as launch's ``sbatch --test-only`` takes one."""
     probe = int(cluster.run("sbatch", "--parsable", "--hold", "--wrap=true").stdout.strip())
     cluster.run("scancel", str(probe))
-    return probe + 1
+    return probe + 2
 
 
 def test_a_job_id_seen_before_leaves_that_run_alone(
@@ -415,13 +494,15 @@ def wrapper(folder: Path, body: str) -> Path:
 def test_sbatch_answers_with_more_than_the_job_id(
     cluster, default_project: Path, tmp_path: Path
 ) -> None:
-    """A site's sbatch wrapper that prints a line of its own before sbatch's answer: the
-    job id is found, the job released, nothing left held. One that prints no job id at
-    all: one line with what it printed, nothing cancelled (no job it could name), the
-    script and folders made for the job removed; the job it queued stays held."""
+    """A site's sbatch wrapper that prints a line of its own before sbatch's answer, and
+    drops --parsable (sbatch then says ``Submitted batch job ID``): the job id is found,
+    the job released, nothing left held. One that prints no job id at all: one line with
+    what it printed, the job it queued (held) found in squeue by its script and
+    cancelled, the script and folders made for the job removed."""
     chatty = wrapper(
         tmp_path / "chatty",
-        'echo "sbatch: partition debug is billed per CPU hour"\nexec {sbatch} "$@"',
+        'echo "sbatch: partition debug is billed per CPU hour"\n'
+        '[ "$1" = --parsable ] && shift\nexec {sbatch} "$@"',
     )
     work = tmp_path / "work"
     work.mkdir()
@@ -449,17 +530,20 @@ def test_sbatch_answers_with_more_than_the_job_id(
         default_project, LAUNCH, *args, env=launch_env(cluster, default_project, quiet), cwd=work
     )
     assert refused.returncode == 1, refused.stdout + refused.stderr
-    assert refused.stderr == (
-        f"python -m {LAUNCH} slurm: error: sbatch's answer names no job id: 'sbatch: accepted\\n' "
-        "(expected ID, ID;CLUSTER or 'Submitted batch job ID'); nothing cancelled\n"
+    match = re.fullmatch(
+        rf"python -m {LAUNCH} slurm: error: sbatch's answer names no job id: 'sbatch: "
+        r"accepted\\n' \(expected ID, ID;CLUSTER or 'Submitted batch job ID'\); squeue shows "
+        r"job (\d+) held with this script; job (\d+) cancelled\n",
+        refused.stderr,
     )
+    assert match is not None, refused.stderr
+    assert match[1] == match[2], refused.stderr
+    assert cluster.job_state(int(match[1])) == "CANCELLED"
     assert list(work.iterdir()) == []
     held = cluster.run(
         "squeue", "--noheader", "--states=PENDING", "--format=%i %r", f"--name={DEFAULT_PACKAGE}"
     ).stdout.split()
-    assert len(held) == 2, held
-    assert held[1] == "JobHeldUser", held
-    cluster.run("scancel", held[0])
+    assert held == [], held
 
 
 def test_a_job_that_cannot_be_released_is_cancelled_and_its_folder_removed(

@@ -3,6 +3,7 @@
     <project>-launch slurm --nodes 2 --gpus-per-node 4 --time 24:00:00 -- --epochs 100
     <project>-launch slurm --nodes 2 --gpus-per-node 4 --dry-run -- --epochs 100
     <project>-launch slurm --run-dir runs/slurm-hpc-1234 --time 24:00:00   # a new job for that run
+    <project>-launch slurm --gpus-per-node a100:4 --setup 'module load cuda/12.4' -- --epochs 9
 
 ``slurm`` writes a batch script and submits it with ``sbatch``; ``--dry-run`` prints
 the script and writes and submits nothing. Everything after ``--`` goes to ``train``
@@ -19,6 +20,24 @@ In the job, ``srun`` starts one ``torchrun`` per node; the ``torchrun`` agents m
 training process per GPU, and rank 0 of the whole job writes the run folder, which
 must be on a filesystem every node reaches. An attempt resumes with ``--resume``
 whenever the run folder holds a checkpoint.
+
+Sites' lines (``--setup``, ``--setup-file``: ``module load``, ``source
+.venv/bin/activate``...) run verbatim in bash on each node inside the job step,
+before ``torchrun`` (``bash -c STEP setup torchrun ...``), under ``set -e``: what
+they set is what ``torchrun`` and train see on every node, node-local work (a copy to
+local scratch) happens on every node, and a failing line ends the step before
+training. They are not run in the batch shell as well: it only runs SLURM's own
+commands (``scontrol``, ``sinfo``, ``scancel``), and running them there would do
+each line twice on the first node. The interpreter stays the one launch runs in
+(``sys.executable``): a line that activates an environment sets its variables, not
+the Python that runs. With ``--container-image`` the step, so the lines, runs inside
+the container; with ``--apptainer`` on the node, before ``apptainer exec``.
+
+GPUs are asked for per node (``--gpus-per-node [TYPE:]N``, ``--gres gpu:[TYPE:]N``,
+or ``--gpus [TYPE:]N`` for the whole job, which must divide evenly among the nodes
+and is written as per node: ``torchrun`` starts the same number of processes, one
+per GPU, on every node). ``OMP_NUM_THREADS`` is the task's CPUs shared by those
+processes.
 
 How a job stops and comes back (checked on SLURM 22.05 and torch's ``torchrun``):
 
@@ -63,13 +82,24 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+import torch
+
 from . import _checkpoint
 from ._command import command_name
 from ._files import filesystem_type
-from .train import UsageError, non_negative_int, positive_int
+from .train import UsageError, positive_int
 from .train import build_parser as build_train_parser
 
-__all__ = ["Container", "Runtime", "SlurmJob", "Submitted", "main", "render_script", "submit"]
+__all__ = [
+    "Container",
+    "Gpus",
+    "Runtime",
+    "SlurmJob",
+    "Submitted",
+    "main",
+    "render_script",
+    "submit",
+]
 
 PACKAGE = __package__
 # The folder holding this package (a project's src): containers get it on PYTHONPATH.
@@ -105,6 +135,16 @@ LOCAL_FILESYSTEMS = frozenset(
      "zfs"}
 )  # fmt: skip
 NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]*")
+# A GRES type: a SLURM name, not all digits (``gpu:4:2`` would not say which is the
+# count); MIG types start with one (1g.10gb).
+GPU_TYPE = r"(?![0-9]+:)[A-Za-z0-9][A-Za-z0-9_.+-]*"
+GPU_COUNT = re.compile(rf"(?:({GPU_TYPE}):)?([0-9]+)")
+# sbatch options that ask for GPUs: the script's own (from --gpus-per-node, --gpus or
+# --gres), which torchrun's processes per node follow; another would change them.
+GPU_SBATCH_OPTIONS = ("--gpus", "--gpus-per-node", "--gpus-per-task", "--gpus-per-socket")
+# The heredoc that holds the setup lines in the script ends at this line (made longer
+# while a setup line is exactly it).
+SETUP_END = "END_OF_SETUP"
 # SLURM's time formats: minutes, minutes:seconds, hours:minutes:seconds, days-hours,
 # days-hours:minutes, days-hours:minutes:seconds.
 TIME = re.compile(r"(?:(\d+)-(\d+)(?::(\d+)(?::(\d+))?)?|(\d+)(?::(\d+)(?::(\d+))?)?)")
@@ -115,6 +155,24 @@ SCRIPT_SETS = {
     "resume": ("--resume", "the job script adds it when the run folder holds a checkpoint"),
     "device": ("--device", "the job script sets it: cuda with --gpus-per-node, cpu with 0"),
 }
+
+
+@dataclass(frozen=True)
+class Gpus:
+    """The GPUs of each node: one training process each."""
+
+    per_node: int  # at least 1
+    type: str | None = None  # a GRES type, as the cluster's gres.conf names it
+    gres: bool = False  # asked for as --gres=gpu:... (sites without select/cons_tres)
+    # launch's option that asked for them, and its value as given, for messages
+    asked_with: str = "--gpus-per-node"
+    asked: str = "1 (the default)"
+
+    @property
+    def option(self) -> str:
+        """The sbatch and srun option that asks for them."""
+        count = str(self.per_node) if self.type is None else f"{self.type}:{self.per_node}"
+        return f"--gres=gpu:{count}" if self.gres else f"--gpus-per-node={count}"
 
 
 class Runtime(enum.Enum):
@@ -135,7 +193,7 @@ class SlurmJob:
     """Everything the batch script says; paths are absolute."""
 
     nodes: int
-    gpus_per_node: int
+    gpus: Gpus | None  # None: a CPU job
     nproc_per_node: int
     workdir: Path
     python: str  # the interpreter on the nodes (without a container)
@@ -149,6 +207,7 @@ class SlurmJob:
     run_dir: Path | None = None  # None: workdir/runs/slurm-<cluster>-<job id>
     container: Container | None = None
     sbatch_options: tuple[str, ...] = ()
+    setup: tuple[str, ...] = ()  # shell lines run on each node before torchrun
     train_args: tuple[str, ...] = ()
     # Names this submission in its run folder (`OWNER`): a requeued attempt of it finds
     # its own token there, a job that only shares its id (or a --run-dir) does not.
@@ -266,9 +325,49 @@ exit "$status"
 """
 
 
+def omp_threads_lines(job: SlurmJob) -> list[str]:
+    """``OMP_NUM_THREADS`` for the processes on each node: the task's CPUs (one task per
+    node runs torchrun) shared by its processes, at least 1; torch would otherwise start
+    a thread per core of the machine on CPUs it was not given, and torchrun's own
+    default of 1 holds only for several processes."""
+    processes = job.nproc_per_node
+    if job.cpus_per_task:
+        threads = max(1, job.cpus_per_task // processes)
+        return [
+            f"export OMP_NUM_THREADS={threads}  # --cpus-per-task {job.cpus_per_task} shared by "
+            f"{processes} process(es)"
+        ]
+    return [
+        f"# OMP_NUM_THREADS: the CPUs of a node's task shared by its {processes} process(es), at",
+        "# least 1: SLURM_CPUS_PER_TASK when the job asked for CPUs per task, else the CPUs",
+        "# it has on this node (srun's step, without --exact, gets them all), else 1.",
+        f"threads=$((${{SLURM_CPUS_PER_TASK:-${{SLURM_CPUS_ON_NODE:-1}}}} / {processes}))",
+        "export OMP_NUM_THREADS=$((threads > 1 ? threads : 1))",
+    ]
+
+
+def setup_lines(job: SlurmJob) -> list[str]:
+    """The step each node runs before torchrun: the setup lines as given (a quoted
+    heredoc: nothing in them is expanded here), under ``set -e``, then ``exec`` of
+    torchrun's command line (srun's arguments after ``bash -c "$step" setup``)."""
+    end = SETUP_END
+    while end in job.setup:
+        end += "_"
+    return [
+        "",
+        "# --setup: run on each node, in the job step, before torchrun (a failing line",
+        "# ends the step); as given, in bash.",
+        f"IFS= read -r -d '' step <<'{end}' || true",
+        "set -e",
+        *job.setup,
+        'exec "$@"',
+        end,
+    ]
+
+
 def render_script(job: SlurmJob, *, written: datetime | None = None) -> str:
     """The batch script for ``job``: readable, and every value in it quoted."""
-    gpus = job.gpus_per_node
+    gpus = job.gpus
     if job.run_dir is None:
         run_dir = shlex.quote(f"{job.runs}/slurm-{job.cluster}-") + '"$SLURM_JOB_ID"'
         output = f"{literal_path(job.runs)}/slurm-{literal_path(Path(job.cluster))}-%j/slurm-%j.out"
@@ -279,7 +378,7 @@ def render_script(job: SlurmJob, *, written: datetime | None = None) -> str:
         f"--job-name={job.job_name}",
         f"--nodes={job.nodes}",
         "--ntasks-per-node=1",
-        *([f"--gpus-per-node={gpus}"] if gpus else []),
+        *([gpus.option] if gpus else []),
         *([f"--cpus-per-task={job.cpus_per_task}"] if job.cpus_per_task else []),
         *([f"--time={job.time}"] if job.time else []),
         *([f"--partition={job.partition}"] if job.partition else []),
@@ -295,6 +394,14 @@ def render_script(job: SlurmJob, *, written: datetime | None = None) -> str:
         "#!/bin/bash",
         f"# Written by {command_name(f'{PACKAGE}.launch')} slurm on {stamp}.",
         "# One torchrun per node (srun), c10d rendezvous on the first node.",
+        *(
+            [
+                f"# --gpus {gpus.asked} on {job.nodes} node(s): {gpus.option}, as torchrun "
+                "starts as many processes on each."
+            ]
+            if gpus and gpus.asked_with == "--gpus"
+            else []
+        ),
         "# --requeue: back to the queue after preemption or a node failure, under the same",
         "#   job id, so to the same run folder.",
         f"# --signal: SIGUSR1 to this shell {job.requeue_before} s before the time limit:"
@@ -315,16 +422,11 @@ def render_script(job: SlurmJob, *, written: datetime | None = None) -> str:
         OWNED + STOPPING + RENDEZVOUS.rstrip("\n"),
         "# How long torchrun lets its processes checkpoint after passing SIGTERM on.",
         f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={max(job.requeue_grace, TORCHRUN_SHUTDOWN_S)}",
+        *omp_threads_lines(job),
     ]
-    if job.cpus_per_task:
-        threads = max(1, job.cpus_per_task // job.nproc_per_node)
-        script.append(
-            f"export OMP_NUM_THREADS={threads}  # --cpus-per-task {job.cpus_per_task} shared by "
-            f"{job.nproc_per_node} process(es)"
-        )
     srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1"]
     if gpus:
-        srun.append(f"--gpus-per-node={gpus}")
+        srun.append(gpus.option)
     if job.cpus_per_task:  # since SLURM 22.05 srun no longer takes it from sbatch
         srun.append(f"--cpus-per-task={job.cpus_per_task}")
     python = [shlex.quote(job.python)]
@@ -336,10 +438,12 @@ def render_script(job: SlurmJob, *, written: datetime | None = None) -> str:
         else:
             python = ['"$runtime" exec', *(["--nv"] if gpus else []), '--bind "$binds"']
             python += [shlex.quote(job.container.image), "python3"]
+    if job.setup:
+        script += setup_lines(job)
     train_args = " ".join(shlex.quote(argument) for argument in job.train_args)
     script += [
         "",
-        " ".join(srun) + " \\",
+        " ".join(srun) + (' \\\n    bash -c "$step" setup' if job.setup else "") + " \\",
         f"    {' '.join(python)} -m torch.distributed.run \\",
         f'        --nnodes="$SLURM_JOB_NUM_NODES" --nproc-per-node={job.nproc_per_node} \\',
         '        --rdzv-backend=c10d --rdzv-endpoint="$head_address:$port"'
@@ -407,6 +511,17 @@ def job_id_of(answer: str) -> int | None:
     return None
 
 
+def held_job_of(script: str) -> int | None:
+    """This user's pending job whose batch script is ``script`` (squeue's command, ``%o``:
+    the path sbatch was given, which `submit` made unique), or None."""
+    answer = _run(["squeue", "--me", "--noheader", "--states=PENDING", "--format=%i %o"])
+    for line in answer.stdout.splitlines():
+        job_id, _, command = line.lstrip().partition(" ")
+        if command == script and job_id.isdigit():
+            return int(job_id)
+    return None
+
+
 def owner_text(job: SlurmJob, job_id: int) -> str:
     """`OWNER`'s text: the token the script checks on its first line, then for people."""
     return (
@@ -418,34 +533,46 @@ def owner_text(job: SlurmJob, job_id: int) -> str:
 def submit(job: SlurmJob, script: str) -> Submitted:
     """Write ``script`` into the run folder and submit it; `SubmitError` when SLURM refuses.
 
-    The job is submitted held: its run folder (named after the job id, unless
+    ``sbatch --test-only`` first takes the script or refuses it with sbatch's reason
+    (a held job is accepted even when no node can run it). The job is then submitted
+    held: its run folder (named after the job id, unless
     ``--run-dir``) is only known once sbatch answers, and the job's log goes into it.
     The folder is then made, never taken over (job ids repeat: a new job that finds a
     folder of its id is cancelled), the script moved in, `OWNER` written (the token the
-    job checks at each start), and the job released. When a step after the submission
-    fails, the job is cancelled and what was made for it removed.
+    job checks at each start), and the job released. When a step fails, the job is
+    cancelled (found by its script in squeue when sbatch's answer names no id) and
+    what was made for it removed.
     """
     staging = job.runs if job.run_dir is None else job.run_dir
     made = [folder for folder in (staging, *staging.parents) if not folder.exists()][::-1]
-    staging.mkdir(parents=True, exist_ok=True)
-    fd, temporary = tempfile.mkstemp(prefix=".launch-", suffix=SCRIPT_SUFFIX, dir=staging)
-    with os.fdopen(fd, "w") as file:
-        file.write(script)
-    made.append(Path(temporary))
     # A --run-dir's owner before this job, put back if this job does not take the folder.
     earlier = job.run_dir / OWNER if job.run_dir is not None else None
-    earlier_owner = earlier.read_bytes() if earlier is not None and earlier.exists() else None
+    earlier_owner = None
     job_id = None
     try:
-        answer = _run(["sbatch", "--parsable", "--hold", temporary])
+        if earlier is not None and earlier.exists():
+            earlier_owner = earlier.read_bytes()
+        staging.mkdir(parents=True, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(prefix=".launch-", suffix=SCRIPT_SUFFIX, dir=staging)
+        made.append(Path(temporary))
+        with os.fdopen(fd, "w") as file:
+            file.write(script)
+        # A held job is accepted even when no node can ever run it (GPUs of a type the
+        # cluster lacks): released, it would wait forever (BadConstraints). --test-only
+        # refuses it, and submits nothing.
+        answer = _run(["sbatch", "--test-only", temporary])
+        if answer.returncode == 0:
+            answer = _run(["sbatch", "--parsable", "--hold", temporary])
         if answer.returncode != 0:
             reason = "; ".join((answer.stderr or answer.stdout).strip().splitlines())
             raise SubmitError(f"sbatch refused the job: {reason}")
         job_id = job_id_of(answer.stdout)
         if job_id is None:
+            job_id = held_job_of(temporary)
+            found = "" if job_id is None else f"; squeue shows job {job_id} held with this script"
             raise SubmitError(
                 f"sbatch's answer names no job id: {answer.stdout!r} (expected ID, ID;CLUSTER "
-                "or 'Submitted batch job ID'); nothing cancelled"
+                f"or 'Submitted batch job ID'){found or '; squeue shows no job of this script'}"
             )
         run_dir = job.run_dir_of(job_id)
         if job.run_dir is None:
@@ -601,6 +728,68 @@ def sbatch_option(text: str) -> str:
     return text
 
 
+@dataclass(frozen=True)
+class GpuCount:
+    """A number of GPUs as an option gives it: ``N`` or ``TYPE:N``."""
+
+    count: int
+    type: str | None
+    text: str
+
+
+def gpu_count(text: str) -> GpuCount:
+    match = GPU_COUNT.fullmatch(text)
+    if match is None or (match[1] is not None and int(match[2]) == 0):
+        raise argparse.ArgumentTypeError(
+            "must be a number of GPUs, N or TYPE:N as the cluster names its GPUs (4, a100:4; "
+            f"0 for none), got {text!r}"
+        )
+    return GpuCount(int(match[2]), match[1], text)
+
+
+def gres_gpus(text: str) -> GpuCount:
+    match = re.fullmatch(rf"gpu:{GPU_COUNT.pattern}", text)
+    if match is None or int(match[2]) == 0:
+        raise argparse.ArgumentTypeError(
+            f"must be gpu:N or gpu:TYPE:N with N >= 1 (gpu:4, gpu:a100:4), got {text!r}"
+        )
+    return GpuCount(int(match[2]), match[1], text)
+
+
+def printable(line: str) -> bool:
+    """One line of text: no newline, NUL or other control character (tabs allowed), and
+    nothing that does not print (Unicode's invisible formatting characters)."""
+    return line.replace("\t", " ").isprintable()
+
+
+def setup_line(text: str) -> str:
+    if not text.strip() or not printable(text):
+        raise argparse.ArgumentTypeError(
+            "must be one non-empty shell line of printable text (no newline or other control "
+            f"character but tabs), got {text!r}"
+        )
+    return text
+
+
+def setup_file(text: str) -> list[str]:
+    """The lines of the file ``text`` names, each checked as `setup_line` checks one."""
+    try:
+        content = Path(text).read_bytes().decode("utf-8")  # newlines as they are: \r shown
+    except OSError as error:
+        raise argparse.ArgumentTypeError(f"cannot read {text}: {error.strerror or error}") from None
+    except UnicodeDecodeError as error:
+        raise argparse.ArgumentTypeError(f"{text} is not UTF-8 text ({error.reason})") from None
+    lines = content.removesuffix("\n").split("\n") if content else []
+    for number, line in enumerate(lines, 1):
+        if not printable(line):
+            crlf = " (Windows line ends: convert with dos2unix)" if line.endswith("\r") else ""
+            raise argparse.ArgumentTypeError(
+                f"{text}, line {number}: {line!r} holds a control character{crlf}; each line "
+                "must be printable text (tabs allowed)"
+            )
+    return lines
+
+
 def one_line(text: str) -> str:
     """Text that goes into the script: anything but control characters (a newline would
     end an #SBATCH line) and backslashes (sbatch turns off its %j patterns for them)."""
@@ -627,12 +816,25 @@ def build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
     )
     add = slurm.add_argument
     add("--nodes", metavar="N", type=positive_int, default=1, help="nodes (default: 1)")
-    add(
+    gpus = slurm.add_mutually_exclusive_group()
+    gpus.add_argument(
         "--gpus-per-node",
-        metavar="G",
-        type=non_negative_int,
-        default=1,
-        help="GPUs per node, one training process each; 0 for a CPU job (default: 1)",
+        metavar="[TYPE:]G",
+        type=gpu_count,
+        help="GPUs per node, one training process each, e.g. 4 or a100:4; 0 for a CPU job "
+        "(default: 1)",
+    )
+    gpus.add_argument(
+        "--gpus",
+        metavar="[TYPE:]G",
+        type=gpu_count,
+        help="GPUs of the whole job, divided evenly among the nodes",
+    )
+    gpus.add_argument(
+        "--gres",
+        metavar="gpu:[TYPE:]G",
+        type=gres_gpus,
+        help="GPUs per node as a generic resource, e.g. gpu:a100:4 (sites without --gpus-per-node)",
     )
     add(
         "--nproc-per-node",
@@ -686,6 +888,29 @@ def build_parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
         default=[],
         help="another sbatch option for the script, e.g. --sbatch=--qos=high (repeatable)",
     )
+    add(
+        "--setup",
+        metavar="LINE",
+        type=setup_line,
+        action="append",
+        dest="setup",
+        default=[],
+        help="a shell line each node runs before torchrun, e.g. 'module load cuda/12.4' "
+        "(repeatable, in order with --setup-file)",
+    )
+    add(
+        "--setup-file",
+        metavar="PATH",
+        type=setup_file,
+        action="extend",
+        dest="setup",
+        help="a file of such lines, read now and written into the script",
+    )
+    add(
+        "--force",
+        action="store_true",
+        help="submit a GPU job although the torch it would run is a CPU build",
+    )
     add("--dry-run", action="store_true", help="print the script; write and submit nothing")
     return parser, slurm
 
@@ -706,17 +931,88 @@ def check_train_args(args: Sequence[str]) -> None:
             raise UsageError(f"train arguments (after --): {flag}: {why}")
 
 
+def gpus_of(options: argparse.Namespace) -> Gpus | None:
+    """The GPUs of each node from whichever of --gpus-per-node, --gpus and --gres was
+    given (argparse lets only one through); None for a CPU job."""
+    if options.gres is not None:
+        count, gres, asked_with = options.gres, True, "--gres"
+    elif options.gpus is not None:
+        count, gres, asked_with = options.gpus, False, "--gpus"
+        if count.count % options.nodes:
+            raise UsageError(
+                f"argument --gpus: {count.text} does not divide evenly among --nodes "
+                f"{options.nodes}: torchrun starts as many processes, one per GPU, on each "
+                "node; give --gpus-per-node"
+            )
+        count = GpuCount(count.count // options.nodes, count.type, count.text)
+    elif options.gpus_per_node is not None:
+        count, gres, asked_with = options.gpus_per_node, False, "--gpus-per-node"
+    else:
+        return Gpus(1)
+    if count.count == 0:
+        return None
+    return Gpus(count.count, count.type, gres, asked_with, count.text)
+
+
+def check_sbatch_options(sbatch_options: Sequence[str], *, gres: bool) -> None:
+    """`UsageError` for an --sbatch option that asks for what launch's own options give,
+    and the script's processes and threads follow: GPUs, CPUs per task."""
+    for option in sbatch_options:
+        name, _, value = option.partition("=")
+        if name in GPU_SBATCH_OPTIONS or (
+            name == "--gres" and (gres or re.search(r"(?:^|,)gpu\b", value))
+        ):
+            raise UsageError(
+                f"argument --sbatch: {option} asks for GPUs: give them with --gpus-per-node, "
+                "--gpus or --gres, from which the number of training processes per node follows"
+            )
+        if name == "--cpus-per-task":
+            raise UsageError(
+                f"argument --sbatch: {option}: give it as --cpus-per-task, from which srun's "
+                "CPUs and OMP_NUM_THREADS follow"
+            )
+
+
+def check_setup(lines: Sequence[str]) -> None:
+    """`UsageError` when the setup lines are not complete bash (``bash -n``: an ``if``
+    without its ``fi``), which would fail on every node after the wait in the queue."""
+    if not lines or shutil.which("bash") is None:
+        return
+    checked = _run(["bash", "-n", "-c", "\n".join(lines)])
+    if checked.returncode != 0:
+        reason = "; ".join(checked.stderr.strip().splitlines())
+        raise UsageError(f"argument --setup: the setup lines are not complete bash: {reason}")
+
+
+def cpu_torch(job: SlurmJob) -> str | None:
+    """Why the job's GPUs would go unused: it asks for them, and the torch its Python
+    imports (this one: the job runs ``sys.executable``) is built without CUDA or ROCm.
+    None otherwise, and for a container, whose torch is the image's."""
+    gpus = job.gpus
+    if gpus is None or job.container is not None or torch.version.cuda or torch.version.hip:
+        return None
+    return (
+        f"argument {gpus.asked_with}: {gpus.asked} asks for GPUs, but the torch the job runs, "
+        f"{torch.__version__} in {job.python}, is a CPU build (torch.version.cuda is None): "
+        "train's --device cuda fails on every node; install a CUDA build of torch there, give "
+        "--gpus-per-node 0 for a CPU job, or add --force to submit anyway"
+    )
+
+
 def job_from_arguments(
     options: argparse.Namespace, train_args: Sequence[str], cluster: str
 ) -> SlurmJob:
     """The job the command line describes on ``cluster``; `UsageError` for what the types
     cannot see."""
-    gpus = options.gpus_per_node
-    if gpus and options.nproc_per_node not in (None, gpus):
+    gpus = gpus_of(options)
+    if gpus and options.nproc_per_node not in (None, gpus.per_node):
         raise UsageError(
-            f"argument --nproc-per-node: with --gpus-per-node {gpus} each node runs one "
-            f"process per GPU ({gpus}); --nproc-per-node is for CPU jobs (--gpus-per-node 0)"
+            f"argument --nproc-per-node: with {gpus.asked_with} {gpus.asked} each node runs one "
+            f"process per GPU ({gpus.per_node}); --nproc-per-node is for CPU jobs "
+            "(--gpus-per-node 0)"
         )
+    check_sbatch_options(options.sbatch, gres=options.gres is not None)
+    check_setup(options.setup)
     if options.time is not None and options.requeue_before >= time_seconds(options.time):
         raise UsageError(
             f"argument --requeue-before: {options.requeue_before} s is not less than --time "
@@ -739,8 +1035,8 @@ def job_from_arguments(
         container = Container(Runtime.PYXIS, image)
     job = SlurmJob(
         nodes=options.nodes,
-        gpus_per_node=gpus,
-        nproc_per_node=gpus or options.nproc_per_node or 1,
+        gpus=gpus,
+        nproc_per_node=gpus.per_node if gpus else options.nproc_per_node or 1,
         workdir=workdir,
         python=sys.executable,
         cluster=cluster,
@@ -753,6 +1049,7 @@ def job_from_arguments(
         run_dir=None if options.run_dir is None else Path(os.path.abspath(options.run_dir)),
         container=container,
         sbatch_options=tuple(options.sbatch),
+        setup=tuple(options.setup),
         train_args=tuple(train_args),
     )
     log_folder = job.runs if job.run_dir is None else job.run_dir
@@ -790,9 +1087,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except UsageError as error:
         slurm.error(str(error))
     script = render_script(job)
+    unused_gpus = cpu_torch(job)
     if options.dry_run:
+        if unused_gpus is not None:  # a submission without --force would be refused
+            print(f"{slurm.prog}: warning: {unused_gpus}", file=sys.stderr)
         sys.stdout.write(script)
         return 0
+    if unused_gpus is not None and not options.force:
+        slurm.error(unused_gpus)
     if shutil.which("sbatch") is None:
         print(
             f"{slurm.prog}: error: sbatch is not on PATH: submit from a machine with the SLURM "
