@@ -43,6 +43,12 @@ Stopping, and what launch scripts rely on (``<project>-launch slurm`` among them
   the process dies, however); a second ``train`` there exits 1 with one line naming
   the folder and the holder's PID.
 
+With ``--detect-nonfinite`` every step's loss, weights and gradients are looked at
+(one device read a step) before the optimizer step; the first step that is not finite
+stops the run with where its first NaN or inf was born, the batch's samples, and a
+bundle in the run folder that ``<project>-replay`` runs again under ``finite_check``
+(`_finite_steps`). Without it, a NaN shows as an epoch whose mean loss is not finite.
+
 Failures the user can act on are one ``error:`` line naming the file, the entry or the
 value (`_command.reports_errors`): exit status 2 for a bad command line or a checkpoint
 that cannot be resumed (damaged, of another model or version), 1 for a locked or
