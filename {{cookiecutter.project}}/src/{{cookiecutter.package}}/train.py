@@ -1014,12 +1014,7 @@ def lock_holder(text: str) -> str:
     return text
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=command_name(f"{PACKAGE}.train"),
-        description="Train the example dynamic model (DynamicNet) on synthetic data.",
-        epilog=f"Several GPUs: torchrun --nproc_per_node N -m {PACKAGE}.train --device cuda ...",
-    )
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device",
         metavar="{auto,cpu,cuda,cuda:N}",
@@ -1027,6 +1022,15 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="auto (a GPU when CUDA is usable, else the CPU), cpu, cuda or cuda:N (default: auto)",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=command_name(f"{PACKAGE}.train"),
+        description="Train the example dynamic model (DynamicNet) on synthetic data.",
+        epilog=f"Several GPUs: torchrun --nproc_per_node N -m {PACKAGE}.train --device cuda ...",
+    )
+    add_device_argument(parser)
     parser.add_argument(
         "--batch-size",
         metavar="N",
