@@ -60,9 +60,7 @@ def main() -> int:
                 rng, settings, project, directory, reference, options.interruptions
             )
             trials.append(trial)
-            moments = ", ".join(
-                f"{i.moment.value}/{i.signal.name}" for i in trial.interruptions
-            )
+            moments = ", ".join(f"{i.moment.value}/{i.signal.name}" for i in trial.interruptions)
             verdict = "equal" if trial.equal and not trial.problems else "PROBLEM"
             print(f"trial {number}: ranks {ranks}, {moments or 'none delivered'}: {verdict}",
                   flush=True)  # fmt: skip

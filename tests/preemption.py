@@ -5,8 +5,9 @@ that ``test_train_preemption_fuzz.py`` and ``benchmarks/preemption_fuzz.py`` bot
 `MAIN_STARTED` when ``main`` parses its command line (stop signals are handled from
 then on) and, at the `Moment` named by ``STOP_AT``, sends the process ``STOP_SIGNAL``
 with ``os.kill`` (a real signal, from the kernel), once, and appends ``<moment>
-<signal>`` to ``STOP_LOG`` so that the test knows it was sent. Under ``torchrun`` only
-rank 0 acts (``STOP_TORCHRUN`` set: not torchrun itself). `Moment.DELAY` is the test's own: it sends the signal from outside.
+<signal>`` to ``STOP_LOG`` so that the test knows it was sent. Under ``torchrun``
+(``STOP_TORCHRUN`` set) only its rank 0 acts, not torchrun itself. `Moment.DELAY` is
+the test's own: it sends the signal from outside.
 
 A trial (`run_trial`) trains one small run through a seeded random schedule of
 interruptions, each in a process of its own, every next process started as the last
@@ -34,8 +35,15 @@ from pathlib import Path
 
 from conftest import module_environment
 from test_train_hangs import assert_nothing_left
-from training import TRAIN, assert_bitwise_equal, checkpoint, gloo_environment, metrics, plant
-from training import reproducible
+from training import (
+    TRAIN,
+    assert_bitwise_equal,
+    checkpoint,
+    gloo_environment,
+    metrics,
+    plant,
+    reproducible,
+)
 
 MAIN_STARTED = "MAIN STARTED"
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGKILL)
@@ -329,12 +337,13 @@ def attempt(settings: Settings, project: Path, plants: Path, command: list[str],
     )  # fmt: skip
     lines: list[str] = []
     try:
-        if interruption is not None and interruption.moment is Moment.DELAY:
-            if wait_for_main(process, settings.ranks, lines):
-                time.sleep(interruption.at)
-                if process.poll() is None:
-                    process.send_signal(interruption.signal)
-                    result.delivered = True
+        delayed = interruption is not None and interruption.moment is Moment.DELAY
+        if delayed and wait_for_main(process, settings.ranks, lines):
+            assert interruption is not None
+            time.sleep(interruption.at)
+            if process.poll() is None:
+                process.send_signal(interruption.signal)
+                result.delivered = True
         lines.append(process.stderr.read())
         result.status = process.wait(timeout=ATTEMPT_TIMEOUT_S)
     finally:
@@ -357,7 +366,10 @@ def problems_of(settings: Settings, result: Attempt, complete: bool) -> list[str
     if stopped is signal.SIGKILL:
         if result.status not in (-signal.SIGKILL, 1, 0):  # torchrun: 1; a kill at exit: 0
             problems.append(f"exit status {result.status} after SIGKILL")
-    elif settings.ranks == 1 and result.status not in (0, None if stopped is None else 128 + stopped):
+    elif settings.ranks == 1 and result.status not in (
+        0,
+        None if stopped is None else 128 + stopped,
+    ):
         problems.append(f"exit status {result.status} after {stopped and stopped.name}")
     if result.status == 0 and not complete:
         problems.append("exit status 0, but the run is not complete")

@@ -40,9 +40,7 @@ def references(
     return reference
 
 
-@pytest.mark.parametrize(
-    ("trial", "ranks"), [(0, 1), (1, 1), (2, 1), (3, 1), (4, 2)], ids=str
-)
+@pytest.mark.parametrize(("trial", "ranks"), [(0, 1), (1, 1), (2, 1), (3, 1), (4, 2)], ids=str)
 def test_random_preemptions_end_bitwise_equal(
     default_project: Path,
     tmp_path: Path,
