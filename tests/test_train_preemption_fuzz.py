@@ -13,11 +13,21 @@ and with 2, in float32 and bf16, alone and under ``torchrun`` with 2 CPU process
 from __future__ import annotations
 
 import random
+import signal
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from preemption import Settings, draw_settings, run_trial, uninterrupted
+from preemption import (
+    Attempt,
+    Interruption,
+    Moment,
+    Settings,
+    draw_settings,
+    problems_of,
+    run_trial,
+    uninterrupted,
+)
 
 SEED = 33  # issue 33; any seed must pass
 # Per trial: enough to reach a resumed process's start-up and a finished run's resume.
@@ -54,3 +64,28 @@ def test_random_preemptions_end_bitwise_equal(
     schedule = [(a.interruption, a.delivered, a.status) for a in result.attempts]
     assert not result.problems, "\n".join([str(settings), str(schedule), *result.problems])
     assert result.equal, schedule
+
+
+def test_a_trial_finds_what_goes_wrong() -> None:
+    """The reverse case: a process killed by the default action of a stop signal, one that
+    stopped without saying how to go on, one that exited 0 short of the end, and a
+    signal at the run's end left unreported are each a problem; the good endings none."""
+    settings = Settings()
+    usr1 = Interruption(Moment.EXIT, signal.SIGUSR1)
+    last = Interruption(Moment.LAST_STEP, signal.SIGTERM)
+    said = "SIGTERM during the run's last step: nothing to stop\n"
+    bad = [
+        (Attempt([], usr1, delivered=True, status=-signal.SIGUSR1), True),
+        (Attempt([], Interruption(Moment.STEP, signal.SIGINT, 3), True, 130), False),
+        (Attempt([], None, status=0), False),
+        (Attempt([], last, delivered=True, status=0), True),
+    ]
+    for attempt, complete in bad:
+        assert problems_of(settings, attempt, complete), attempt
+    good = [
+        (Attempt([], usr1, delivered=True, status=0), True),
+        (Attempt([], last, delivered=True, status=0, stderr=said), True),
+        (Attempt([], Interruption(Moment.START, signal.SIGKILL), True, -signal.SIGKILL), False),
+    ]
+    for attempt, complete in good:
+        assert not problems_of(settings, attempt, complete), attempt
