@@ -160,9 +160,7 @@ DATA_SETTINGS = ("seed", "samples")
 # (--workers and --checkpoint-every change nothing in the numbers.)
 SCHEDULE_SETTINGS = ("batch_size", "lr", "noise", "precision", "world_size")
 # The flags a checkpoint keeps (in its RunSettings): --resume takes those not given from it.
-STORED_FLAGS = tuple(
-    name for name in (*DATA_SETTINGS, *SCHEDULE_SETTINGS) if name != "world_size"
-)
+STORED_FLAGS = tuple(name for name in (*DATA_SETTINGS, *SCHEDULE_SETTINGS) if name != "world_size")
 
 
 class UsageError(Exception):
@@ -1244,7 +1242,8 @@ def main(argv: list[str] | None = None) -> int:
         parser = build_parser()
         config, left_out = parse_command_line(parser, argv)
         launch = Launch.from_environment()
-        if launch.torchrun:  # a killed torchrun takes its processes with it (and they their workers)
+        # A killed torchrun takes its processes with it (and they their workers).
+        if launch.torchrun:
             end_with_parent(os.getppid())
         with contextlib.ExitStack() as held:
             try:
