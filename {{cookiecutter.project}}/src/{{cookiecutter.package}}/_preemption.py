@@ -48,9 +48,9 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 class Phase(enum.Enum):
     """Where the command stands, for a stop signal that comes then."""
 
-    STARTING = "before training began"  # stops before the first step, once agreed
-    TRAINING = "during training"  # stops after the step under way, but for the last
-    FINISHED = "after the run had finished"  # nothing to stop: the run is complete
+    STARTING = enum.auto()  # stops before the first step, once agreed
+    TRAINING = enum.auto()  # stops after the step under way; the last step finishes the run
+    FINISHED = enum.auto()  # nothing to stop: the run is complete
 
 
 class StopSignal:
@@ -71,8 +71,9 @@ class StopSignal:
         last step, which it let finish); None when none came."""
         if self.received is None:
             return None
-        when = "during the run's last step" if self.received_in is Phase.TRAINING else None
-        return f"{self.received.name} {when or Phase.FINISHED.value}: nothing to stop"
+        last_step = self.received_in is Phase.TRAINING
+        when = "during the run's last step" if last_step else "after the run had finished"
+        return f"{self.received.name} {when}: nothing to stop"
 
 
 @contextlib.contextmanager
