@@ -6,7 +6,8 @@ that ``test_train_preemption_fuzz.py`` and ``benchmarks/preemption_fuzz.py`` bot
 then on) and, at the `Moment` named by ``STOP_AT``, sends the process ``STOP_SIGNAL``
 with ``os.kill`` (a real signal, from the kernel), once, and appends ``<moment>
 <signal>`` to ``STOP_LOG`` so that the test knows it was sent. Under ``torchrun``
-(``STOP_TORCHRUN`` set) only its rank 0 acts, not torchrun itself. `Moment.DELAY` is
+(``STOP_TORCHRUN`` set) only its rank ``STOP_RANK`` (default 0) acts, not torchrun
+itself. `Moment.DELAY` is
 the test's own: it sends the signal from outside.
 
 A trial (`run_trial`) trains one small run through a seeded random schedule of
@@ -74,7 +75,8 @@ SOURCE = """
     # Under torchrun (STOP_TORCHRUN set) the training processes, not torchrun itself.
     _TRAINS = "STOP_TORCHRUN" not in os.environ or "RANK" in os.environ
     _AT = os.environ.get("STOP_AT")
-    _ACTS = _AT is not None and _TRAINS and os.environ.get("RANK", "0") == "0"
+    _RANK = os.environ.get("RANK", "0") == os.environ.get("STOP_RANK", "0")
+    _ACTS = _AT is not None and _TRAINS and _RANK
     _sent = False
 
 

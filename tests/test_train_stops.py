@@ -423,3 +423,39 @@ def test_resumed_from_the_run_folder_alone(default_project: Path, tmp_path: Path
     assert "warning" not in resumed.stderr
     assert_bitwise_equal(checkpoint(run), checkpoint(whole))
     assert reproducible(metrics(run)) == reproducible(metrics(whole))
+
+
+def test_torchrun_processes_stop_before_training_when_one_is_signalled_starting(
+    default_project: Path, tmp_path: Path
+) -> None:
+    """SIGTERM to rank 1 alone while it starts: the processes agree before the first step,
+    and both stop there; rank 0 says that nothing was written and how to start again."""
+    run, plants = tmp_path / "run", plant_moments(tmp_path / "plant")
+    args = ("--device", "cpu", "--samples", "512", "--batch-size", "32", "--epochs", "2")
+    stopped = torchrun(
+        default_project, *args, "--run-dir", str(run), path=(plants,), STOP_TORCHRUN="1",
+        STOP_RANK="1", STOP_AT=Moment.START.value, STOP_SIGNAL="SIGTERM",
+        STOP_LOG=str(plants / "sent.log"),
+    )  # fmt: skip
+    assert (plants / "sent.log").read_text() == "start SIGTERM\n", stopped.stderr
+    assert stopped.returncode != 0  # torchrun reports its processes' 143 as a failure
+    lines = stopped.stderr.splitlines()
+    assert (
+        lines.count(
+            "stopped by SIGTERM before training began: no checkpoint was written, so there is "
+            "nothing to resume"
+        )
+        == 1
+    ), stopped.stderr
+    (again,) = [line for line in lines if line.startswith("start again with: ")]
+    assert again == (
+        f"start again with: torchrun --standalone --nproc_per_node 2 -m {TRAIN} --device cpu "
+        f"--batch-size 32 --epochs 2 --samples 512 --run-dir {run}"
+    )
+    assert "latest.pt" not in [path.name for path in run.iterdir()]
+    started = run_printed(
+        default_project, again.removeprefix("start again with: "),
+        GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1",
+    )  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    assert checkpoint(run)["global_step"] == 16
