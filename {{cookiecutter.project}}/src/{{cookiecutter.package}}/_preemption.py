@@ -17,7 +17,7 @@ step later, so the exchange overlaps that step, and all stop after the same step
 the same signal. Without ``torchrun`` nothing is exchanged.
 
 A stop signal is safe at any moment of ``train``'s `main`, which records them from its
-first line (`Phase` says what it does with one at each moment): during start-up it is
+first line (`CommandPhase` says what it does with one at each moment): during start-up it is
 kept until the processes agree, once, before the first step (`StopAgreement.now`),
 and training stops there; in training, after the step under way; once the run is
 complete it stops nothing and is reported as such. What remains is the interpreter's
@@ -40,12 +40,12 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-__all__ = ["STOP_SIGNALS", "Phase", "StopAgreement", "StopSignal", "stop_signals"]
+__all__ = ["STOP_SIGNALS", "CommandPhase", "StopAgreement", "StopSignal", "stop_signals"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
-class Phase(enum.Enum):
+class CommandPhase(enum.Enum):
     """Where the command stands, for a stop signal that comes then."""
 
     STARTING = enum.auto()  # stops before the first step, once agreed
@@ -55,12 +55,12 @@ class Phase(enum.Enum):
 
 class StopSignal:
     """The first of `STOP_SIGNALS` this process received since `stop_signals` began, and
-    the `Phase` the command was in then (the command moves ``phase`` on)."""
+    the `CommandPhase` the command was in then (the command moves ``phase`` on)."""
 
     def __init__(self) -> None:
         self.received: signal.Signals | None = None
-        self.phase = Phase.STARTING
-        self.received_in: Phase | None = None
+        self.phase = CommandPhase.STARTING
+        self.received_in: CommandPhase | None = None
 
     def record(self, number: int, frame: FrameType | None) -> None:
         if self.received is None:
@@ -71,7 +71,7 @@ class StopSignal:
         last step, which it let finish); None when none came."""
         if self.received is None:
             return None
-        last_step = self.received_in is Phase.TRAINING
+        last_step = self.received_in is CommandPhase.TRAINING
         when = "during the run's last step" if last_step else "after the run had finished"
         return f"{self.received.name} {when}: nothing to stop"
 

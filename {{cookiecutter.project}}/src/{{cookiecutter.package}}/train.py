@@ -134,7 +134,7 @@ from ._finite_steps import (
 )
 from ._lifetime import end_with_parent
 from ._metrics import EpochMetrics, MetricsLog, RunningMean, tensorboard_missing
-from ._preemption import Phase, StopAgreement, StopSignal, stop_signals
+from ._preemption import CommandPhase, StopAgreement, StopSignal, stop_signals
 from ._progress import Progress
 from .gpus import cuda_unavailable_reason
 from .models import DynamicNet
@@ -971,7 +971,7 @@ def train(
     in_step = True
     try:
         if stop is not None:
-            stop.phase = Phase.TRAINING
+            stop.phase = CommandPhase.TRAINING
         trainer.stop_if_signalled_before_training()
         while trainer.position.epoch < config.epochs:
             trainer.begin_epoch()
@@ -984,7 +984,7 @@ def train(
             if trainer.position.epoch < config.epochs:
                 trainer.stop_if_signalled()
         if stop is not None:
-            stop.phase = Phase.FINISHED
+            stop.phase = CommandPhase.FINISHED
         in_step = False
         if launch.rank == 0 and trainer.overflows is not None and trainer.overflows.total:
             print(trainer.overflows, file=trainer.log)
@@ -1302,7 +1302,7 @@ def run(
     if resumed is not None:
         if resumed.position.epoch >= config.epochs:
             if stop is not None:
-                stop.phase = Phase.FINISHED
+                stop.phase = CommandPhase.FINISHED
             if launch.rank == 0:
                 print(
                     f"{config.checkpoint} has already trained {resumed.position.epoch} epochs; "
