@@ -78,7 +78,7 @@ import shlex
 import sys
 import time
 import traceback
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from copy import deepcopy
 from dataclasses import dataclass
 from datetime import datetime
@@ -755,7 +755,18 @@ class Trainer:
                     file=self.log,
                 )
         started = None if self.finite_steps is None else GeneratorsAtStep.take(self.device)
-        began = time.perf_counter()
+        with self.reporting_compile() if self.compiling else contextlib.nullcontext():
+            self.update(inputs, labels, started)
+        self.position.step += 1
+        self.position.global_step += 1
+        if self.progress is not None:
+            samples = self.running.count * self.launch.world_size
+            self.progress.update(self.position.step, samples, self.running.value)
+
+    def update(
+        self, inputs: torch.Tensor, labels: torch.Tensor, started: GeneratorsAtStep | None
+    ) -> None:
+        """The gradients of the step's batch, looked at, and the optimizer's step."""
         self.optimizer.zero_grad(set_to_none=True)
         loss = self.accumulate(inputs, labels)
         if self.scaler is None:
@@ -773,16 +784,38 @@ class Trainer:
                 if self.overflows.in_a_row >= SKIPS_IN_A_ROW:
                     self.stop_not_finite(loss, inputs, labels, started, gradients=True)
         self.running.add(loss, labels.shape[0])
-        self.position.step += 1
-        self.position.global_step += 1
-        if self.compiling:
-            self.compiling = False
-            if self.launch.rank == 0:
-                seconds = time.perf_counter() - began
-                print(f"compiled in {seconds:.1f} s (the first step, compiling included)", file=self.log)
-        if self.progress is not None:
-            samples = self.running.count * self.launch.world_size
-            self.progress.update(self.position.step, samples, self.running.value)
+
+    @contextlib.contextmanager
+    def reporting_compile(self) -> Iterator[None]:
+        """Around this process's first step under ``--compile``, which compiles: then
+        rank 0 says how long that step took, how many graphs torch.compile made and
+        where it broke the graph (at every data-dependent branch of a dynamic model,
+        and it runs a function whose loop holds one all eagerly)."""
+        # Here, not at the top: importing torch._dynamo takes seconds, and only --compile needs it.
+        from torch._dynamo.utils import counters
+
+        from .testing.compile_check.graph_breaks import graph_break_records, graph_breaks
+
+        config = self.config
+        graphs = counters["stats"]["unique_graphs"]  # private surface: torch's own count
+        began = time.perf_counter()
+        with graph_break_records() as records:
+            yield
+        seconds = time.perf_counter() - began
+        self.compiling = False
+        if self.launch.rank != 0:
+            return
+        made = counters["stats"]["unique_graphs"] - graphs
+        breaks = graph_breaks(records.records, ())
+        lines = [
+            f"torch.compile (backend {config.compile_backend}, mode {config.compile_mode}): "
+            f"the first step took {seconds:.1f} s, compiling included; {made} graph(s) "
+            f"compiled, {len(breaks)} graph break(s)"
+        ]
+        lines += [f"  {str(graph_break).splitlines()[0]}" for graph_break in breaks]
+        if not made:
+            lines.append("  nothing was compiled: the model runs eagerly, as without --compile")
+        print("\n".join(lines), file=self.log)
 
     def accumulate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The step's loss (the mean over all its samples); each micro-batch's gradients
