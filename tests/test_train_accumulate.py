@@ -105,9 +105,7 @@ def test_accumulated_steps_equal_one_batch_of_all_their_samples(
     assert len(accumulated) == len(whole) == 8192 // 64
     for epoch in (0, 1):
         for step in (0, 77, 127):
-            assert torch.equal(
-                accumulated.key(epoch, step).indices, whole.key(epoch, step).indices
-            )
+            assert torch.equal(accumulated.key(epoch, step).indices, whole.key(epoch, step).indices)
 
     stderr = run(default_project, tmp_path / "accumulated", *AGREEING, *ACCUMULATED)
     assert "warning" not in stderr
@@ -210,9 +208,7 @@ def test_torchrun_accumulates_every_process_s_micro_batches(
     assert "8/8" in progress[0]  # 512 samples in 2 shares of 256: 8 steps of 2 x 16
     saved = checkpoint(directory)
     assert saved["global_step"] == 16
-    config = train_module.Config(
-        samples=512, batch_size=16, epochs=2, accumulate=2, device="cpu"
-    )
+    config = train_module.Config(samples=512, batch_size=16, epochs=2, accumulate=2, device="cpu")
     expected, only_before_the_last = ddp_reference(train_module, config, world_size=2)
     assert only_before_the_last > 0
     assert largest_difference(saved, {"model": expected}) <= TOLERANCE
@@ -228,7 +224,9 @@ def test_accumulate_zero_is_refused(train_module, capsys, monkeypatch, tmp_path:
 
 def test_resume_with_another_accumulate_warns(default_project: Path, finished_run: Path) -> None:
     args = ("--device", "cpu", "--samples", "1024", "--batch-size", "32", "--accumulate", "2")
-    result = train(default_project, *args, "--epochs", "2", "--run-dir", str(finished_run), "--resume")
+    result = train(
+        default_project, *args, "--epochs", "2", "--run-dir", str(finished_run), "--resume"
+    )
     assert result.returncode == 0, result.stderr
     assert result.stderr.splitlines()[0] == (
         f"warning: {finished_run / 'latest.pt'} was trained with accumulate 1 and this run "

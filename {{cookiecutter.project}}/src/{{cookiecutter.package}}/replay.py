@@ -214,7 +214,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"rank {rank['rank']}'s {len(rank['indices'])} samples, on {device}"
     )
     try:
-        result = finite_check(TrainingStep(model, record["precision"], device, run.batch_size), inputs, labels)
+        result = finite_check(
+            TrainingStep(model, record["precision"], device, run.batch_size), inputs, labels
+        )
     except FiniteCheckFailure as failure:
         print(f"{type(failure).__name__}: {failure}", file=sys.stderr)
         print(f"reproduced: {where} is not finite", file=sys.stderr)

@@ -480,7 +480,10 @@ def step_loss(
     computes it: what training minimizes and ``replay`` checks."""
     return functools.reduce(
         torch.add,
-        (micro_loss(network, micro, autocast) for micro in micro_batches(inputs, labels, micro_batch)),
+        (
+            micro_loss(network, micro, autocast)
+            for micro in micro_batches(inputs, labels, micro_batch)
+        ),
     )
 
 
