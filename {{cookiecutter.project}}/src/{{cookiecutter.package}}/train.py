@@ -1223,7 +1223,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         type=positive_int,
         default=64,
-        help="samples per step and process (default: 64)",
+        help="samples per step and process; with --accumulate, per micro-batch (default: 64)",
     )
     parser.add_argument(
         "--epochs", metavar="N", type=positive_int, default=10, help="epochs in all (default: 10)"
