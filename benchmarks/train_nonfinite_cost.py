@@ -27,6 +27,7 @@ import sys
 import time
 
 from baking import use_generated_src
+from finite_check_overhead import models as finite_check_models
 
 TARGET_RATIO = 1.05
 
@@ -36,7 +37,6 @@ def models():
     import torch
     import torch.nn.functional as F
     from dynamic_model import train
-    from torch import nn
 
     torch.manual_seed(0)
     inputs, labels = train.synthetic_data(64 * 40, seed=0)
@@ -47,32 +47,10 @@ def models():
         batches,
         lambda model, batch: F.cross_entropy(model(batch[0]), batch[1]),
     )
-    try:
-        from transformers import LlamaConfig
-        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
-    except ImportError:
-        return
-    config = LlamaConfig(hidden_size=256, intermediate_size=512, num_attention_heads=4,
-                         num_key_value_heads=4, attn_implementation="eager")  # fmt: skip
-    layer, rotary = LlamaDecoderLayer(config, layer_idx=0), LlamaRotaryEmbedding(config)
-    hidden = [torch.randn(2, 64, 256) for _ in range(4)]
-    positions = rotary(hidden[0], torch.arange(64)[None])
-
-    class Block(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.layer = layer
-
-        def forward(self, x):
-            out = self.layer(x, position_embeddings=positions)
-            return out[0] if isinstance(out, tuple) else out
-
-    yield (
-        "Llama decoder layer (hidden 256, 4 heads, 2 x 64 tokens)",
-        Block(),
-        [(x,) for x in hidden],
-        lambda model, batch: model(batch[0]).pow(2).mean(),
-    )
+    for name, model, x in finite_check_models():
+        if name.startswith("Llama"):  # the same transformers-sized block, trained here
+            batches = [(x + 0.1 * torch.randn_like(x),) for _ in range(4)]
+            yield name, model, batches, lambda model, batch: model(batch[0]).pow(2).mean()
 
 
 def sides(model, loss_of) -> dict:

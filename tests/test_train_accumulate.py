@@ -148,8 +148,12 @@ def test_stop_between_micro_batches_finishes_the_step_and_resumes_bitwise(
         f"stopped by SIGTERM at epoch 2, step 9/32 (step 41 of the run); "
         f"checkpoint {split / 'latest.pt'}"
     )
-    assert " --accumulate 2 " in command
-    resumed = train(default_project, *BASE, *args, "--run-dir", str(split), "--resume")
+    # --resume takes --batch-size and --accumulate from the checkpoint: not printed
+    assert command == (
+        f"resume with: python -m dynamic_model.train --device cpu --epochs 3 "
+        f"--run-dir {split} --resume"
+    )
+    resumed = run_printed(default_project, command.removeprefix("resume with: "))
     assert resumed.returncode == 0, resumed.stderr
     assert_bitwise_equal(checkpoint(split), checkpoint(whole))
     assert reproducible(metrics(split)) == reproducible(metrics(whole))

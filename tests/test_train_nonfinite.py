@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import DEFAULT_PACKAGE, module_environment, run_module
+from conftest import DEFAULT_PACKAGE, module_environment
 from training import (
     EPOCHS,
     SMALL,
@@ -67,6 +67,11 @@ SQRT_AT_ZERO += "\n    models.DynamicNet.forward = forward_with_a_bug\n"
 STOP = f"python -m {DEFAULT_PACKAGE}.train: error: training stopped before "
 
 
+def train_planted(project: Path, bug: Path, *args: str):
+    """``train`` with the ``sitecustomize`` in ``bug`` loaded first."""
+    return train(project, *args, env=module_environment(project, path=(bug,)))
+
+
 def replay_line(stderr: str) -> str:
     (line,) = re.findall(r"^Replay it under finite_check with: (.*)$", stderr, re.M)
     return line
@@ -88,16 +93,15 @@ def test_a_nan_in_one_batch_stops_before_its_step_with_the_origin(
 ):
     bug = plant(tmp_path / "bug", SQRT_OF_A_NEGATIVE)
     run = tmp_path / "run"
-    result = run_module(
+    result = train_planted(
         default_project,
-        f"{DEFAULT_PACKAGE}.train",
+        bug,
         *SMALL,
         "--epochs",
         EPOCHS,
         "--run-dir",
         str(run),
         "--detect-nonfinite",
-        env=module_environment(default_project, path=(bug,)),
     )
     assert result.returncode == 1, result.stderr
     lines = result.stderr.splitlines()
@@ -155,15 +159,14 @@ def test_without_detection_the_same_bug_only_shows_as_a_diverged_epoch(
 ):
     bug = plant(tmp_path / "bug", SQRT_OF_A_NEGATIVE)
     run = tmp_path / "run"
-    result = run_module(
+    result = train_planted(
         default_project,
-        f"{DEFAULT_PACKAGE}.train",
+        bug,
         *SMALL,
         "--epochs",
         "1",
         "--run-dir",
         str(run),
-        env=module_environment(default_project, path=(bug,)),
     )
     assert result.returncode == 1
     assert "the loss of epoch 1 is nan" in result.stderr
@@ -174,15 +177,14 @@ def test_without_detection_the_same_bug_only_shows_as_a_diverged_epoch(
 def test_a_nan_born_in_backward_is_named_there(default_project: Path, tmp_path: Path):
     bug = plant(tmp_path / "bug", SQRT_AT_ZERO)
     run = tmp_path / "run"
-    result = run_module(
+    result = train_planted(
         default_project,
-        f"{DEFAULT_PACKAGE}.train",
+        bug,
         *SMALL,
         "--run-dir",
         str(run),
         "--detect-nonfinite",
         "stop",
-        env=module_environment(default_project, path=(bug,)),
     )
     assert result.returncode == 1, result.stderr
     assert (

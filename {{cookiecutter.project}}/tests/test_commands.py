@@ -7,9 +7,12 @@ The GPU tests run with ``pytest --gpu``; each subprocess inherits this test proc
 
 import json
 import os
+import random
+import shlex
 import signal
 import subprocess
 import sys
+import time
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -90,6 +93,66 @@ def test_train_stops_on_sigterm_and_resumes_bit_for_bit(tmp_path):
     )
     for name, tensor in expected.items():
         assert torch.equal(actual[name], tensor), f"{name} differs after the stop and --resume"
+
+
+# The quick mode of the preemption fuzz: each stop signal once, at a seeded random
+# moment of a run (start-up, training, a checkpoint's write, after the last step, the
+# exit), each run then resumed as it says until it finishes. The moments count from
+# the end of the imports (a signal during torch's import, before train's main runs,
+# is the one moment not covered: its default action stands). benchmarks/preemption_fuzz.py
+# in the template runs the long fuzz.
+FUZZ_SEED = 0
+FUZZ_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGKILL)
+# A SMALL run of 2 epochs takes about a second after its imports: the moments go past
+# its end, into the exit.
+FUZZ_LATEST_S = 1.5
+# Loaded first by the fuzzed runs: the imports done, it says so on stderr.
+IMPORTED = "imported"
+SITECUSTOMIZE = (
+    f"import sys\nimport {train.__name__}\nprint({IMPORTED!r}, file=sys.stderr, flush=True)\n"
+)
+
+
+def test_train_survives_stop_signals_at_random_moments(tmp_path):
+    whole = tmp_path / "whole"
+    args = ["--device", "cpu", *SMALL, "--epochs", "2"]
+    assert train.main([*args, "--run-dir", str(whole)]) == 0
+    expected = torch.load(whole / "latest.pt", weights_only=True)["model"]
+    (tmp_path / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    env = {name: value for name, value in os.environ.items() if name not in SERVICES}
+    planted = {**env, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    draw = random.Random(FUZZ_SEED)
+    for trial, kind in enumerate(draw.sample(FUZZ_SIGNALS, k=len(FUZZ_SIGNALS))):  # each once
+        folder = tmp_path / f"trial-{trial}"
+        delay = draw.uniform(0.0, FUZZ_LATEST_S)
+        command = [sys.executable, "-m", train.__name__, *args, "--run-dir", str(folder)]
+        process = subprocess.Popen(command, env=planted, stderr=subprocess.PIPE, text=True)
+        assert process.stderr is not None
+        first = process.stderr.readline()
+        assert first.strip() == IMPORTED, first
+        time.sleep(delay)
+        process.send_signal(kind)
+        _, stderr = process.communicate(timeout=600)
+        status = process.returncode
+        what = f"trial {trial}: {kind.name} {delay:.2f} s after the imports, exit {status}"
+        assert status in (0, 128 + kind, -signal.SIGKILL), f"{what}:\n{stderr}"
+        if status == 128 + kind:
+            printed = [
+                line
+                for line in stderr.splitlines()
+                if line.startswith(("resume with: ", "start again with: "))
+            ]
+            assert printed, f"{what}: no command to go on with:\n{stderr}"
+            command = [sys.executable, *shlex.split(printed[-1].partition(": ")[2])[1:]]
+        elif status != 0:  # SIGKILL: what the README says to run after a kill
+            resume = ["--resume"] if (folder / "latest.pt").exists() else []
+            command = [*command, *resume]
+        if status != 0:
+            rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+            assert rerun.returncode == 0, f"{what}, then {shlex.join(command)}:\n{rerun.stderr}"
+        actual = torch.load(folder / "latest.pt", weights_only=True)["model"]
+        for name, tensor in expected.items():
+            assert torch.equal(actual[name], tensor), f"{what}: {name} differs once resumed"
 
 
 def test_train_rejects_a_bad_flag():

@@ -15,11 +15,24 @@ contributes the number of the signal it received, 0 for none, to an all-reduce (
 over a gloo group of CPU tensors, which never waits for a GPU; the result is read one
 step later, so the exchange overlaps that step, and all stop after the same step with
 the same signal. Without ``torchrun`` nothing is exchanged.
+
+A stop signal is safe at any moment of ``train``'s `main`, which records them from its
+first line (`Phase` says what it does with one at each moment): during start-up it is
+kept until the processes agree, once, before the first step (`StopAgreement.now`),
+and training stops there; in training, after the step under way; once the run is
+complete it stops nothing and is reported as such. What remains is the interpreter's
+own start and the imports before `main` runs (about a second or two, for torch): there
+SIGTERM and SIGUSR1 still kill with their default action and SIGINT raises
+``KeyboardInterrupt``; nothing of the run exists yet. From the moment `main` returns,
+in a process that ends with it (``python -m`` or the installed command), the signals
+are ignored: the exit status is decided, and the interpreter's exit would otherwise
+restore their default action before it ends.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import signal
 from collections.abc import Iterator
 from types import FrameType
@@ -27,32 +40,56 @@ from types import FrameType
 import torch
 import torch.distributed as dist
 
-__all__ = ["STOP_SIGNALS", "StopAgreement", "StopSignal", "stop_signals"]
+__all__ = ["STOP_SIGNALS", "Phase", "StopAgreement", "StopSignal", "stop_signals"]
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)
 
 
+class Phase(enum.Enum):
+    """Where the command stands, for a stop signal that comes then."""
+
+    STARTING = enum.auto()  # stops before the first step, once agreed
+    TRAINING = enum.auto()  # stops after the step under way; the last step finishes the run
+    FINISHED = enum.auto()  # nothing to stop: the run is complete
+
+
 class StopSignal:
-    """The first of `STOP_SIGNALS` this process received since `stop_signals` began."""
+    """The first of `STOP_SIGNALS` this process received since `stop_signals` began, and
+    the `Phase` the command was in then (the command moves ``phase`` on)."""
 
     def __init__(self) -> None:
         self.received: signal.Signals | None = None
+        self.phase = Phase.STARTING
+        self.received_in: Phase | None = None
 
     def record(self, number: int, frame: FrameType | None) -> None:
         if self.received is None:
-            self.received = signal.Signals(number)
+            self.received, self.received_in = signal.Signals(number), self.phase
+
+    def nothing_to_stop(self) -> str | None:
+        """The line for a signal that came when the run was complete (or came during its
+        last step, which it let finish); None when none came."""
+        if self.received is None:
+            return None
+        last_step = self.received_in is Phase.TRAINING
+        when = "during the run's last step" if last_step else "after the run had finished"
+        return f"{self.received.name} {when}: nothing to stop"
 
 
 @contextlib.contextmanager
-def stop_signals() -> Iterator[StopSignal]:
-    """Record `STOP_SIGNALS` instead of dying of them, until the block ends (main thread only)."""
+def stop_signals(*, then_ignore: bool = False) -> Iterator[StopSignal]:
+    """Record `STOP_SIGNALS` instead of dying of them, until the block ends (main thread
+    only); then restore the handlers there were, or with ``then_ignore``, for a process
+    that ends once the block does, ignore the signals from then on. (``signal.signal``
+    runs the handler of a signal already received before it replaces it, so the last
+    one is still recorded.)"""
     stop = StopSignal()
     previous = {number: signal.signal(number, stop.record) for number in STOP_SIGNALS}
     try:
         yield stop
     finally:
         for number, handler in previous.items():
-            signal.signal(number, handler)
+            signal.signal(number, signal.SIG_IGN if then_ignore else handler)
 
 
 class StopAgreement:
@@ -75,16 +112,27 @@ class StopAgreement:
     def _received(self) -> signal.Signals | None:
         return None if self.stop is None else self.stop.received
 
-    def signal(self) -> signal.Signals | None:
-        if self._group is None:
-            return self._received()
+    def _exchange(self) -> tuple[torch.Tensor, dist.Work]:
         received = self._received()
         number = torch.tensor([0 if received is None else int(received)])
         work = dist.all_reduce(number, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
-        previous, self._pending = self._pending, (number, work)
+        return number, work
+
+    def signal(self) -> signal.Signals | None:
+        if self._group is None:
+            return self._received()
+        previous, self._pending = self._pending, self._exchange()
         if previous is None:
             return None
         return self._wait(previous)
+
+    def now(self) -> signal.Signals | None:
+        """The signal to stop on, agreed at once: before the first step, where there is no
+        step for the exchange to overlap."""
+        assert self._pending is None, "now() comes before the first step's signal()"
+        if self._group is None:
+            return self._received()
+        return self._wait(self._exchange())
 
     @staticmethod
     def _wait(exchange: tuple[torch.Tensor, dist.Work]) -> signal.Signals | None:

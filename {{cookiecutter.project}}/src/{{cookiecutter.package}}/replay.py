@@ -39,8 +39,8 @@ from .train import (
     PRECISIONS,
     Launch,
     UsageError,
+    add_device_argument,
     build_model,
-    device_name,
     directory_path,
     non_negative_int,
     resolve_device,
@@ -167,13 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=non_negative_int,
         help="the process whose batch to replay (default: the first whose origin was found)",
     )
-    parser.add_argument(
-        "--device",
-        metavar="{auto,cpu,cuda,cuda:N}",
-        type=device_name,
-        default="auto",
-        help="auto (a GPU when CUDA is usable, else the CPU), cpu, cuda or cuda:N (default: auto)",
-    )
+    add_device_argument(parser)
     return parser
 
 

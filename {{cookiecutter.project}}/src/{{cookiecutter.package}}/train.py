@@ -3,6 +3,7 @@
     <project>-train --device cuda --batch-size 64 --epochs 10
     <project>-train --run-dir runs/a --checkpoint-every 100 --workers 2 --precision bf16
     <project>-train --run-dir runs/a --resume          # after a stop, a crash or a kill
+                                                       # (and --epochs N, if not the default)
     torchrun --nproc_per_node 2 -m <package>.train --device cuda
 
 Each run has a folder (``--run-dir``, default ``runs/<date-time>``) holding
@@ -27,11 +28,26 @@ Stopping, and what launch scripts rely on (``<project>-launch slurm`` among them
   with two lines, ``stopped by SIGTERM at epoch 2, step 8/32 (step 40 of the run);
   checkpoint runs/a/latest.pt`` and ``resume with: <the command>``, and the process
   exits with 128 + the signal's number (130, 143, 138). Further signals while the
-  checkpoint is written change nothing. A signal during the last step of the run
-  lets it finish (exit status 0). See `_preemption`.
-- ``--resume --run-dir <the same folder>`` (with the run's other flags) continues bit
-  for bit and first prints ``resumed <folder> at epoch E, step S/N (step G of the
-  run)`` on stdout.
+  checkpoint is written change nothing.
+- A signal at any other moment of the command is safe too (see `_preemption`). During
+  start-up the run stops before its first step, with the same exit status, and either
+  ``stopped by SIGTERM before training began: no checkpoint was written, so there is
+  nothing to resume`` and ``start again with: <the command>``, or, resuming, the
+  checkpoint's position and ``resume with:``. A signal during the last step of the run
+  lets it finish, and one after it (during the exit) stops nothing: exit status 0, and
+  ``SIGUSR1 after the run had finished: nothing to stop`` (or ``during the run's last
+  step``) on stderr. Only the interpreter's start and the imports before `main` runs
+  are not covered: there SIGTERM and SIGUSR1 kill, as they would any program, before
+  anything of the run exists.
+- ``--run-dir <the same folder> --resume`` continues bit for bit and first prints
+  ``resumed <folder> at epoch E, step S/N (step G of the run)`` on stdout. The run's
+  data and schedule settings (``--seed``, ``--samples``, ``--batch-size``, ``--lr``,
+  ``--noise``, ``--precision``, ``--accumulate``) are its checkpoint's unless given; one given with
+  another value is refused (``--seed``, ``--samples``: another data set) or warned about
+  (the others: not bit for bit). ``--epochs`` is not kept in the checkpoint: give it
+  again unless it is the default (the printed ``resume with:`` command does, as it does
+  ``--device``, ``--workers`` and the other flags a checkpoint does not keep). After a
+  SIGKILL or a crash nothing is printed, and that same command resumes.
 - Under ``torchrun`` all processes stop after the same step (one step after the first
   process saw the signal). torchrun forwards SIGTERM and SIGINT to its processes
   (SIGKILL follows after its ``--shutdown-timeout``, 30 s), then exits 1 itself with
@@ -42,6 +58,12 @@ Stopping, and what launch scripts rely on (``<project>-launch slurm`` among them
   ``.lock`` in it from before its first write to its exit (the kernel drops it when
   the process dies, however); a second ``train`` there exits 1 with one line naming
   the folder and the holder's PID.
+
+With ``--detect-nonfinite`` every step's loss, weights and gradients are looked at
+(one device read a step) before the optimizer step; the first step that is not finite
+stops the run with where its first NaN or inf was born, the batch's samples, and a
+bundle in the run folder that ``<project>-replay`` runs again under ``finite_check``
+(`_finite_steps`). Without it, a NaN shows as an epoch whose mean loss is not finite.
 
 Failures the user can act on are one ``error:`` line naming the file, the entry or the
 value (`_command.reports_errors`): exit status 2 for a bad command line or a checkpoint
@@ -78,7 +100,7 @@ import shlex
 import sys
 import time
 import traceback
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from copy import deepcopy
 from dataclasses import dataclass
 from datetime import datetime
@@ -113,7 +135,7 @@ from ._finite_steps import (
 )
 from ._lifetime import end_with_parent
 from ._metrics import EpochMetrics, MetricsLog, RunningMean, tensorboard_missing
-from ._preemption import StopAgreement, StopSignal, stop_signals
+from ._preemption import Phase, StopAgreement, StopSignal, stop_signals
 from ._progress import Progress
 from .gpus import cuda_unavailable_reason
 from .models import DynamicNet
@@ -145,8 +167,12 @@ DATA_SETTINGS = ("seed", "samples")
 # Settings a run can be resumed with when they change, though not bit for bit.
 # (--workers and --checkpoint-every change nothing in the numbers.)
 SCHEDULE_SETTINGS = ("batch_size", "lr", "noise", "precision", "world_size", "accumulate")
+# The flags a checkpoint keeps (in its RunSettings): --resume takes those not given from it.
+STORED_FLAGS = tuple(name for name in (*DATA_SETTINGS, *SCHEDULE_SETTINGS) if name != "world_size")
 # torch.compile's modes (see its docstring); all but default are the inductor backend's.
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# What --compile-backend and --compile-mode mean when not given (`TrainParser`).
+COMPILE_DEFAULTS = {"compile_backend": "inductor", "compile_mode": "default"}
 
 
 class UsageError(Exception):
@@ -338,12 +364,25 @@ def build_model() -> DynamicNet:
     return DynamicNet(in_features=IN_FEATURES, out_features=CLASSES)
 
 
+def with_stored_settings(config: Config, run: RunSettings, left_out: Collection[str]) -> Config:
+    """``config`` with the settings of ``run`` (a checkpoint's) in place of the flags in
+    ``left_out``, those the command line did not give."""
+    return dataclasses.replace(
+        config, **{name: getattr(run, name) for name in STORED_FLAGS if name in left_out}
+    )
+
+
 def load_resumable(
-    config: Config, launch: Launch, device: torch.device, log: TextIO
+    config: Config,
+    launch: Launch,
+    device: torch.device,
+    log: TextIO,
+    left_out: Collection[str] = (),
 ) -> TrainingState:
-    """The checkpoint to resume, checked against this run's model and settings; when it
-    is refused, the refusal says how to resume from the previous one, if that one is
-    intact."""
+    """The checkpoint to resume, checked against this run's model and settings: those of
+    the flags in ``left_out`` (not given) are the checkpoint's own (`with_stored_settings`),
+    the others are compared with it. When it is refused, the refusal says how to resume
+    from the previous one, if that one is intact."""
     assert config.checkpoint is not None
 
     def checked(path: Path) -> TrainingState:
@@ -362,14 +401,15 @@ def load_resumable(
             kept = None
         offer = ""
         if kept is not None:
-            at = where(kept.position, len(epoch_batches(config, launch)))
+            kept_config = with_stored_settings(config, kept.run, left_out)
+            at = where(kept.position, len(epoch_batches(kept_config, launch)))
             move = shlex.join(["mv", str(previous), str(config.checkpoint)])
             offer = (
                 f"; {previous} is intact, at {at}: to resume from it, run {move}, then "
                 "this command again"
             )
         raise UsageError(f"argument --resume: {error}{offer}") from None
-    settings = run_settings(config, launch)
+    settings = run_settings(with_stored_settings(config, state.run, left_out), launch)
     for name in DATA_SETTINGS:
         if getattr(state.run, name) != getattr(settings, name):
             raise UsageError(
@@ -530,12 +570,21 @@ def where(position: Position, steps: int) -> str:
 
 
 class Stopped(Exception):
-    """Training stopped on ``signal`` at ``position``, where ``checkpoint`` now stands."""
+    """Training stopped on ``signal`` at ``position``, where ``checkpoint`` now stands
+    (None: stopped before training began, and no checkpoint was ever written)."""
 
-    def __init__(self, signal: Signals, position: Position, steps: int, checkpoint: Path) -> None:
+    def __init__(
+        self,
+        signal: Signals,
+        position: Position,
+        steps: int,
+        checkpoint: Path | None,
+        *,
+        before_training: bool = False,
+    ) -> None:
         super().__init__(signal, position, steps, checkpoint)
         self.signal, self.position, self.steps = signal, position, steps
-        self.checkpoint = checkpoint
+        self.checkpoint, self.before_training = checkpoint, before_training
 
     @property
     def status(self) -> int:
@@ -543,8 +592,14 @@ class Stopped(Exception):
         return 128 + self.signal
 
     def __str__(self) -> str:
+        if self.checkpoint is None:
+            return (
+                f"stopped by {self.signal.name} before training began: no checkpoint was "
+                "written, so there is nothing to resume"
+            )
+        before = ", before training resumed" if self.before_training else ""
         return (
-            f"stopped by {self.signal.name} at {where(self.position, self.steps)}; "
+            f"stopped by {self.signal.name} at {where(self.position, self.steps)}{before}; "
             f"checkpoint {self.checkpoint}"
         )
 
@@ -1023,6 +1078,15 @@ class Trainer:
             processes=processes,
         )
 
+    def stop_if_signalled_before_training(self) -> None:
+        """`Stopped` where the last checkpoint stands (if there is one), if a stop signal
+        came during start-up; every process asks, once, before the first step."""
+        received = self.stops.now()
+        if received is not None:
+            checkpoint = None if self.saved_at is None else self.checkpoint
+            position = dataclasses.replace(self.position)
+            raise Stopped(received, position, self.steps, checkpoint, before_training=True)
+
     def stop_if_signalled(self) -> None:
         """`Stopped`, once a checkpoint of this position is written, if a stop signal came."""
         received = self.stops.signal()
@@ -1064,11 +1128,14 @@ def train(
 
     ``config.run_dir`` must exist (`prepare_run_dir`). With ``stop`` (`stop_signals`),
     a stop signal ends training after the step under way with a checkpoint of it, and
-    `Stopped`.
+    `Stopped`; one that came before, once all is ready for the first step.
     """
     trainer = Trainer(config, launch, device, resumed, sys.stderr if log is None else log, stop)
     in_step = True
     try:
+        if stop is not None:
+            stop.phase = Phase.TRAINING
+        trainer.stop_if_signalled_before_training()
         while trainer.position.epoch < config.epochs:
             trainer.begin_epoch()
             for inputs, labels in trainer.data:
@@ -1079,6 +1146,8 @@ def train(
             trainer.end_epoch()
             if trainer.position.epoch < config.epochs:
                 trainer.stop_if_signalled()
+        if stop is not None:
+            stop.phase = Phase.FINISHED
         in_step = False
         if launch.rank == 0 and trainer.overflows is not None and trainer.overflows.total:
             print(trainer.overflows, file=trainer.log)
@@ -1188,21 +1257,38 @@ def compile_backend(text: str) -> str:
 
 
 class TrainParser(argparse.ArgumentParser):
-    """train's parser, with the checks of flags that go together."""
+    """train's parser, with the checks of flags that go together. ``--compile-backend``
+    and ``--compile-mode`` default to None, so that their being given shows; None is
+    then their default's name. (`parse_command_line` also parses into a namespace whose
+    flags not given hold a marker of its own: those are left as they are.)"""
 
     def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def]
         parsed, rest = super().parse_known_args(args, namespace)
-        for name, default in (("compile_backend", "inductor"), ("compile_mode", "default")):
-            if getattr(parsed, name) is None:
-                setattr(parsed, name, default)
-            elif not parsed.compile:
-                self.error(f"argument --{name.replace('_', '-')}: needs --compile")
-        if parsed.compile_mode != "default" and parsed.compile_backend != "inductor":
+        chosen = dict(COMPILE_DEFAULTS)
+        for name in COMPILE_DEFAULTS:
+            value = getattr(parsed, name)
+            if value is None:
+                setattr(parsed, name, chosen[name])
+            elif isinstance(value, str):  # given
+                if parsed.compile is not True:
+                    self.error(f"argument --{name.replace('_', '-')}: needs --compile")
+                chosen[name] = value
+        if chosen["compile_mode"] != "default" and chosen["compile_backend"] != "inductor":
             self.error(
-                f"argument --compile-mode: {parsed.compile_mode} is a mode of the inductor "
-                f"backend, and --compile-backend is {parsed.compile_backend}"
+                f"argument --compile-mode: {chosen['compile_mode']} is a mode of the inductor "
+                f"backend, and --compile-backend is {chosen['compile_backend']}"
             )
         return parsed, rest
+
+
+def add_device_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--device",
+        metavar="{auto,cpu,cuda,cuda:N}",
+        type=device_name,
+        default="auto",
+        help="auto (a GPU when CUDA is usable, else the CPU), cpu, cuda or cuda:N (default: auto)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -1211,13 +1297,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train the example dynamic model (DynamicNet) on synthetic data.",
         epilog=f"Several GPUs: torchrun --nproc_per_node N -m {PACKAGE}.train --device cuda ...",
     )
-    parser.add_argument(
-        "--device",
-        metavar="{auto,cpu,cuda,cuda:N}",
-        type=device_name,
-        default="auto",
-        help="auto (a GPU when CUDA is usable, else the CPU), cpu, cuda or cuda:N (default: auto)",
-    )
+    add_device_argument(parser)
     parser.add_argument(
         "--batch-size",
         metavar="N",
@@ -1347,18 +1427,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def resume_command(config: Config, launch: Launch, environ: Mapping[str, str] = os.environ) -> str:
-    """The command line that continues this run: its settings that differ from the
-    defaults, ``--run-dir`` and ``--resume``, behind the same launcher. In a SLURM job,
-    which comes back by itself when requeued, the ``launch slurm`` line that continues
-    the folder in a new job once this one has ended."""
+def resume_command(
+    config: Config,
+    launch: Launch,
+    environ: Mapping[str, str] = os.environ,
+    *,
+    checkpoint: bool = True,
+) -> str:
+    """The command line that continues this run: ``--run-dir``, ``--resume`` and the
+    settings that differ from the defaults and that the checkpoint does not keep
+    (`STORED_FLAGS`), behind the same launcher. Without ``checkpoint`` (none was
+    written), the one that starts it again: every setting, without ``--resume``. In a
+    SLURM job, which comes back by itself when requeued, the ``launch slurm`` line that
+    continues the folder in a new job once this one has ended."""
+    stored = STORED_FLAGS if checkpoint else ()
 
     def flags(*left_out: str) -> list[str]:
         args = []
         for field in dataclasses.fields(Config):
             value = getattr(config, field.name)
             once = ("run_dir", "resume", "take_over_lock")  # a taken-over lock is this run's
-            if field.name in (*once, *left_out) or value == field.default:
+            if field.name in (*once, *stored, *left_out) or value == field.default:
                 continue
             flag = "--" + field.name.replace("_", "-")
             args += [flag] if value is True else [flag, str(value)]
@@ -1373,7 +1462,7 @@ def resume_command(config: Config, launch: Launch, environ: Mapping[str, str] = 
             f"{launcher} slurm <this job's options> {shlex.join(run_dir)} -- "
             f"{shlex.join(flags('device'))} (a requeued job resumes by itself)"
         )
-    args = [*flags(), *run_dir, "--resume"]
+    args = [*flags(), *run_dir, *(["--resume"] if checkpoint else [])]
     if not launch.torchrun:
         return f"{command_name(module)} {shlex.join(args)}"
     if launch.world_size != launch.local_world_size:  # several nodes: their rendezvous
@@ -1382,30 +1471,71 @@ def resume_command(config: Config, launch: Launch, environ: Mapping[str, str] = 
     return f"{launcher} -m {module} {shlex.join(args)}"
 
 
+def parse_command_line(
+    parser: argparse.ArgumentParser, argv: list[str] | None
+) -> tuple[Config, frozenset[str]]:
+    """The config the command line asks for, and the names of the settings it did not
+    give (left at their defaults; --resume takes those the checkpoint keeps from it)."""
+    defaults = vars(parser.parse_args([]))
+    unset = object()
+    given = vars(parser.parse_args(argv, argparse.Namespace(**dict.fromkeys(defaults, unset))))
+    left_out = frozenset(name for name, value in given.items() if value is unset)
+    values = {name: defaults[name] if name in left_out else value for name, value in given.items()}
+    return Config(**values), left_out
+
+
+def ends_with_main() -> bool:
+    """Whether this process ends once `main` returns: started as ``python -m`` of this
+    module (torchrun's processes too) or as the installed command, not `main` called
+    from Python."""
+    module = f"{PACKAGE}.train"
+    return __name__ == "__main__" or command_name(module) != f"python -m {module}"
+
+
 @reports_errors(f"{PACKAGE}.train")
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    config = Config(**vars(parser.parse_args(argv)))
-    launch = Launch.from_environment()
-    if launch.torchrun:  # a killed torchrun takes its processes with it (and they their workers)
-        end_with_parent(os.getppid())
-    with contextlib.ExitStack() as held:
-        try:
-            if config.tensorboard and (missing := tensorboard_missing()) is not None:
-                raise UsageError(f"argument --tensorboard: {missing}")
-            device = resolve_device(config.device, launch)
-            check_precision(config.precision, device)
-            config = prepare_run_dir(config, launch, held)
-            resumed = load_resumable(config, launch, device, sys.stderr) if config.resume else None
-        except UsageError as error:
-            parser.error(str(error))
-        return run(config, launch, device, resumed)
+    """The train command; stop signals are recorded from its first line (`_preemption`):
+    one that comes once the run is complete stops nothing, and is reported so."""
+    with stop_signals(then_ignore=ends_with_main()) as stop:
+        parser = build_parser()
+        config, left_out = parse_command_line(parser, argv)
+        launch = Launch.from_environment()
+        # A killed torchrun takes its processes with it (and they their workers).
+        if launch.torchrun:
+            end_with_parent(os.getppid())
+        with contextlib.ExitStack() as held:
+            try:
+                if config.tensorboard and (missing := tensorboard_missing()) is not None:
+                    raise UsageError(f"argument --tensorboard: {missing}")
+                device = resolve_device(config.device, launch)
+                check_precision(config.precision, device)
+                config = prepare_run_dir(config, launch, held)
+                resumed = None
+                if config.resume:
+                    resumed = load_resumable(config, launch, device, sys.stderr, left_out)
+                    config = with_stored_settings(config, resumed.run, left_out)
+                    check_precision(config.precision, device)  # the checkpoint's, perhaps
+            except UsageError as error:
+                parser.error(str(error))
+            status = run(config, launch, device, resumed, stop)
+    if status == 0 and (late := stop.nothing_to_stop()) is not None:
+        print(f"rank {launch.rank}: {late}" if launch.rank else late, file=sys.stderr)
+    return status
 
 
-def run(config: Config, launch: Launch, device: torch.device, resumed: TrainingState | None) -> int:
-    """Train as `main` was asked to, in this process's place of the launch; the exit status."""
+def run(
+    config: Config,
+    launch: Launch,
+    device: torch.device,
+    resumed: TrainingState | None,
+    stop: StopSignal | None = None,
+) -> int:
+    """Train as `main` was asked to, in this process's place of the launch; the exit
+    status. ``stop``: the stop signals `main` records."""
     if resumed is not None:
         if resumed.position.epoch >= config.epochs:
+            if stop is not None:
+                stop.phase = Phase.FINISHED
             if launch.rank == 0:
                 print(
                     f"{config.checkpoint} has already trained {resumed.position.epoch} epochs; "
@@ -1421,12 +1551,15 @@ def run(config: Config, launch: Launch, device: torch.device, resumed: TrainingS
             torch.cuda.set_device(device)
         dist.init_process_group(backend)
     try:
-        with stop_signals() as stop:
-            loss = train(config, launch, device, resumed, stop=stop)
+        loss = train(config, launch, device, resumed, stop=stop)
     except Stopped as stopped:
         if launch.rank == 0:
             print(stopped, file=sys.stderr)
-            print(f"resume with: {resume_command(config, launch)}", file=sys.stderr)
+            if stopped.checkpoint is None:
+                again = resume_command(config, launch, checkpoint=False)
+                print(f"start again with: {again}", file=sys.stderr)
+            else:
+                print(f"resume with: {resume_command(config, launch)}", file=sys.stderr)
         return stopped.status
     except (Diverged, NotFiniteStep) as ended:
         if launch.rank == 0:

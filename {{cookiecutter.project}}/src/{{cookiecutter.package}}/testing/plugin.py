@@ -352,25 +352,20 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     return lines + _gpu_report_lines(session)
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    skip = pytest.mark.skip(reason=HOW_TO_RUN_GPU_TESTS)
-    gpu_enabled = _session(config).gpu_enabled
-    for item in items:
-        # A test with a wrong count is not skipped: it fails, with or without --gpu.
-        if _is_gpu_test(item) and not gpu_enabled and _gpu_marker_problem(item) is None:
-            item.add_marker(skip)
-
-
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
     session = _session(item.config)
     item.stash[_TEST] = _Test()
     if _is_gpu_test(item):
+        # A test with a wrong count is not skipped: it fails, with or without --gpu.
         problem = _gpu_marker_problem(item)
         if problem is not None:
             pytest.fail(problem, pytrace=False)
-        if session.gpu_enabled:
-            _check_gpus_for(item, session)
+        if not session.gpu_enabled:
+            # Raised here, not as each test's mark: pytest -ra folds skips by where they
+            # were raised, so a CPU run prints one line for all the GPU tests.
+            pytest.skip(HOW_TO_RUN_GPU_TESTS)
+        _check_gpus_for(item, session)
     session.fixtures_of = item
     try:
         return (yield)
