@@ -68,6 +68,7 @@ def test_one_epoch(default_project: Path, tmp_path: Path) -> None:
         "noise": 0.05,
         "precision": "32",
         "world_size": 1,
+        "accumulate": 1,
     }
     assert saved["scaler"] is None
     assert sorted(path.name for path in tmp_path.iterdir()) == ["latest.pt", "metrics.csv"]

@@ -21,6 +21,7 @@ from {{ cookiecutter.package }} import (
     forward_with_condition,
 )
 from {{ cookiecutter.package }}.testing.export_check import ExportBlocked
+from {{ cookiecutter.package }}.train import build_model, synthetic_data
 
 # model, input shape, the source of each line where torch.compile breaks the graph
 MODELS = {
@@ -48,6 +49,17 @@ def test_compiled_models_match_eager(compile_check, case):
     for graph_break in result.graph_breaks:
         assert graph_break.decision == "Tensor.__bool__"
         assert "models.py:" in graph_break.location
+
+
+def test_dynamic_net_as_train_compiles_it(compile_check):
+    """``train --compile``'s model and a batch of its data: the loop's data-dependent
+    ``if`` makes torch.compile run the whole forward eagerly (train's first step says
+    "nothing was compiled"); a rewrite that removes the break turns this test red."""
+    inputs, _ = synthetic_data(64, seed=0)
+    result = compile_check(build_model(), inputs, backend="aot_eager")
+    (graph_break,) = result.graph_breaks
+    assert graph_break.source == "if h.abs().mean() < self.tolerance:"
+    assert graph_break.whole_function_eager
 
 
 def test_a_python_number_recompiles(compile_check):

@@ -117,6 +117,9 @@ class RunSettings:
     noise: float
     precision: str
     world_size: int
+    # Micro-batches per optimizer step; missing from checkpoints written before
+    # --accumulate existed, which all had 1 (the layout has it as optional: no new format).
+    accumulate: int = 1
 
 
 @dataclass(frozen=True)
@@ -176,7 +179,8 @@ class _Each:
 
 @dataclass(frozen=True)
 class _Optional:
-    """A dict entry that may be missing (torch sets its default), or fits ``layout``."""
+    """A dict entry that may be missing (its default is used: torch's for optimizer
+    flags torch added, RunSettings' for a setting added), or fits ``layout``."""
 
     layout: Any
 
@@ -221,6 +225,7 @@ _RUN = {
         lambda name: name.isalnum() and len(name) <= 8,
     ),
     "world_size": _POSITIVE_COUNT,
+    "accumulate": _Optional(_POSITIVE_COUNT),
 }
 assert _RUN.keys() == get_type_hints(RunSettings).keys()
 # A param group of torch.optim.Adam, the optimizer train builds. The flags torch added

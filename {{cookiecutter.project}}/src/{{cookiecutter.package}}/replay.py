@@ -62,9 +62,12 @@ class BundleError(CommandError):
 class TrainingStep(nn.Module):
     """A training step's loss as a module of the batch, as ``train`` computes it."""
 
-    def __init__(self, model: nn.Module, precision: str, device: torch.device) -> None:
+    def __init__(
+        self, model: nn.Module, precision: str, device: torch.device, micro_batch: int
+    ) -> None:
         super().__init__()
         self.model, self.precision, self.device_type = model, precision, device.type
+        self.micro_batch = micro_batch  # the run's --batch-size: its --accumulate's parts
 
     def forward(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         autocast: Any = torch.autocast(
@@ -72,7 +75,7 @@ class TrainingStep(nn.Module):
             dtype=AUTOCAST_DTYPES.get(self.precision, torch.float32),
             enabled=self.precision != "32",
         )
-        return step_loss(self.model, inputs, labels, autocast)
+        return step_loss(self.model, inputs, labels, autocast, self.micro_batch)
 
 
 def _field(record: Any, name: str, kind: type, where: str, path: Path) -> Any:
@@ -205,7 +208,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"rank {rank['rank']}'s {len(rank['indices'])} samples, on {device}"
     )
     try:
-        result = finite_check(TrainingStep(model, record["precision"], device), inputs, labels)
+        result = finite_check(
+            TrainingStep(model, record["precision"], device, run.batch_size), inputs, labels
+        )
     except FiniteCheckFailure as failure:
         print(f"{type(failure).__name__}: {failure}", file=sys.stderr)
         print(f"reproduced: {where} is not finite", file=sys.stderr)

@@ -42,7 +42,7 @@ Stopping, and what launch scripts rely on (``<project>-launch slurm`` among them
 - ``--run-dir <the same folder> --resume`` continues bit for bit and first prints
   ``resumed <folder> at epoch E, step S/N (step G of the run)`` on stdout. The run's
   data and schedule settings (``--seed``, ``--samples``, ``--batch-size``, ``--lr``,
-  ``--noise``, ``--precision``) are its checkpoint's unless given; one given with
+  ``--noise``, ``--precision``, ``--accumulate``) are its checkpoint's unless given; one given with
   another value is refused (``--seed``, ``--samples``: another data set) or warned about
   (the others: not bit for bit). ``--epochs`` is not kept in the checkpoint: give it
   again unless it is the default (the printed ``resume with:`` command does, as it does
@@ -100,7 +100,8 @@ import shlex
 import sys
 import time
 import traceback
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Iterator, Mapping
+from copy import deepcopy
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -138,6 +139,7 @@ from ._preemption import CommandPhase, StopAgreement, StopSignal, stop_signals
 from ._progress import Progress
 from .gpus import cuda_unavailable_reason
 from .models import DynamicNet
+from .testing.control_flow import first_divergence, record_decisions
 from .testing.nonfinite import non_finite_text
 from .testing.parameter_use import find_unused_parameters_needed
 
@@ -164,9 +166,13 @@ _SAMPLES_SHOWN = 8
 DATA_SETTINGS = ("seed", "samples")
 # Settings a run can be resumed with when they change, though not bit for bit.
 # (--workers and --checkpoint-every change nothing in the numbers.)
-SCHEDULE_SETTINGS = ("batch_size", "lr", "noise", "precision", "world_size")
+SCHEDULE_SETTINGS = ("batch_size", "lr", "noise", "precision", "world_size", "accumulate")
 # The flags a checkpoint keeps (in its RunSettings): --resume takes those not given from it.
 STORED_FLAGS = tuple(name for name in (*DATA_SETTINGS, *SCHEDULE_SETTINGS) if name != "world_size")
+# torch.compile's modes (see its docstring); all but default are the inductor backend's.
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+# What --compile-backend and --compile-mode mean when not given (`TrainParser`).
+COMPILE_DEFAULTS = {"compile_backend": "inductor", "compile_mode": "default"}
 
 
 class UsageError(Exception):
@@ -190,6 +196,10 @@ class Config:
     tensorboard: bool = False
     take_over_lock: str | None = None
     detect_nonfinite: str = "off"
+    accumulate: int = 1
+    compile: bool = False
+    compile_backend: str = "inductor"
+    compile_mode: str = "default"
 
     @property
     def checkpoint(self) -> Path | None:
@@ -434,14 +444,16 @@ def run_settings(config: Config, launch: Launch) -> RunSettings:
         noise=config.noise,
         precision=config.precision,
         world_size=launch.world_size,
+        accumulate=config.accumulate,
     )
 
 
 def epoch_batches(config: Config, launch: Launch) -> EpochBatches:
-    """This process's share of every epoch, in batches."""
+    """This process's share of every epoch, in the batches of its optimizer steps:
+    ``--accumulate`` micro-batches of ``--batch-size`` each (`micro_batches`)."""
     return EpochBatches(
         config.samples,
-        config.batch_size,
+        config.batch_size * config.accumulate,
         seed=config.seed,
         rank=launch.rank,
         world_size=launch.world_size,
@@ -466,15 +478,87 @@ def step_under_way(position: Position, steps: int) -> str:
     return f"epoch {epoch}, step {step}/{steps} (step {of_run} of the run)"
 
 
+@dataclass(frozen=True)
+class MicroBatch:
+    """One forward and backward of an optimizer step: its samples, and their share of
+    the step's (``labels`` / all the step's labels, exactly 1 for the whole batch)."""
+
+    inputs: torch.Tensor
+    labels: torch.Tensor
+    share: float
+
+
+def micro_batches(inputs: torch.Tensor, labels: torch.Tensor, size: int) -> list[MicroBatch]:
+    """An optimizer step's batch cut into micro-batches of ``size`` (``--batch-size``; the
+    last one of an epoch may be smaller, and there may be fewer)."""
+    total = labels.shape[0]
+    return [
+        MicroBatch(x, y, y.shape[0] / total)
+        for x, y in zip(inputs.split(size), labels.split(size), strict=True)
+    ]
+
+
+def micro_loss(
+    network: torch.nn.Module, micro: MicroBatch, autocast: contextlib.AbstractContextManager[Any]
+) -> torch.Tensor:
+    """A micro-batch's mean loss times its share: the step's loss is their sum, the mean
+    over all its samples, so its gradient is that of one forward over the whole batch
+    (for a model whose forward treats each sample alike: see `decisions_differ`)."""
+    with autocast:
+        loss = F.cross_entropy(network(micro.inputs), micro.labels)
+    return loss if micro.share == 1 else loss * micro.share
+
+
 def step_loss(
     network: torch.nn.Module,
     inputs: torch.Tensor,
     labels: torch.Tensor,
     autocast: contextlib.AbstractContextManager[Any],
+    micro_batch: int,
 ) -> torch.Tensor:
-    """A step's loss: what training minimizes and ``replay`` checks."""
-    with autocast:
-        return F.cross_entropy(network(inputs), labels)
+    """An optimizer step's loss, over micro-batches of ``micro_batch`` as training
+    computes it: what training minimizes and ``replay`` checks."""
+    return functools.reduce(
+        torch.add,
+        (
+            micro_loss(network, micro, autocast)
+            for micro in micro_batches(inputs, labels, micro_batch)
+        ),
+    )
+
+
+def decisions_differ(
+    model: torch.nn.Module, inputs: torch.Tensor, labels: torch.Tensor, micro_batch: int
+) -> str | None:
+    """Where the micro-batches of a step decide otherwise than one forward over its
+    whole batch would (the first such decision, in words), or None when they agree.
+
+    A model that decides from a whole batch (`DynamicNet` loops while the batch's mean
+    activation is large) decides per micro-batch under ``--accumulate``: the step's
+    gradient is then not that of the whole batch. Run on a copy of the model (its
+    buffers, batch norm's running statistics say, stay as they are) without gradients,
+    the generators put back after it (a dropout draws nothing from the run's)."""
+    copy = deepcopy(model)
+    devices = [inputs.device] if inputs.device.type == "cuda" else []
+    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+        with record_decisions() as whole:
+            copy(inputs)
+        for index, micro in enumerate(micro_batches(inputs, labels, micro_batch)):
+            with record_decisions() as part:
+                copy(micro.inputs)
+            found = first_divergence(whole, part)
+            if found is not None:
+                number, in_whole, in_part = found
+                decision = in_part or in_whole
+                assert decision is not None
+                return (
+                    f"micro-batch {index + 1} ({micro.labels.shape[0]} samples) decided "
+                    f"{'nothing' if in_part is None else in_part.value} at decision #{number}, "
+                    f"{decision.location} (`{decision.location.source}`), where the whole "
+                    f"batch ({labels.shape[0]} samples) decided "
+                    f"{'nothing' if in_whole is None else in_whole.value}"
+                )
+    return None
 
 
 def where(position: Position, steps: int) -> str:
@@ -637,17 +721,28 @@ class Trainer:
             pin_memory=device.type == "cuda",
         )
         self.network: torch.nn.Module = self.model
+        self.ddp: DistributedDataParallel | None = None
         if launch.torchrun:
             unused = find_unused_parameters_needed(
                 self.model, inputs[: config.batch_size].to(device)
             )
             if launch.rank == 0:
                 print(f"DistributedDataParallel: {unused}", file=log)
-            self.network = DistributedDataParallel(
+            self.network = self.ddp = DistributedDataParallel(
                 self.model,
                 device_ids=[device.index] if device.type == "cuda" else None,
                 find_unused_parameters=unused.needed,
             )
+        if config.compile:
+            # After DDP's wrapping, as DistributedDataParallel's documentation asks: torch
+            # then splits the compiled graphs at DDP's gradient buckets (DDPOptimizer), so
+            # their all-reduces overlap the backward. self.model stays the module itself:
+            # checkpoints hold its state_dict, without torch.compile's "_orig_mod." prefix.
+            mode = None if config.compile_mode == "default" else config.compile_mode
+            self.network = torch.compile(self.network, backend=config.compile_backend, mode=mode)
+        self.compiling = config.compile  # until this process's first step is done
+        # Whether to compare the first step's micro-batch decisions with the whole batch's.
+        self.check_decisions = config.accumulate > 1 and launch.rank == 0
         self.autocast = (
             contextlib.nullcontext()
             if config.precision == "32"
@@ -702,18 +797,41 @@ class Trainer:
         self.network.train()
 
     def step(self, inputs: torch.Tensor, labels: torch.Tensor) -> None:
+        """One optimizer step on ``inputs`` and ``labels``: ``--accumulate`` micro-batches'
+        forwards and backwards, their gradients summed, then the finite-step look (at
+        the whole step's loss and gradients) and the optimizer's step."""
         inputs = inputs.to(self.device, non_blocking=True)
         labels = labels.to(self.device, non_blocking=True)
+        if self.check_decisions:
+            self.check_decisions = False
+            differs = decisions_differ(self.model, inputs, labels, self.config.batch_size)
+            if differs is not None:
+                print(
+                    f"warning: --accumulate {self.config.accumulate}: in the first step, "
+                    f"{differs}: the model decides per micro-batch, so a step's gradient is "
+                    f"not that of one batch of {labels.shape[0]}",
+                    file=self.log,
+                )
         started = None if self.finite_steps is None else GeneratorsAtStep.take(self.device)
-        loss = step_loss(self.network, inputs, labels, self.autocast)
+        with self.reporting_compile() if self.compiling else contextlib.nullcontext():
+            self.update(inputs, labels, started)
+        self.position.step += 1
+        self.position.global_step += 1
+        if self.progress is not None:
+            samples = self.running.count * self.launch.world_size
+            self.progress.update(self.position.step, samples, self.running.value)
+
+    def update(
+        self, inputs: torch.Tensor, labels: torch.Tensor, started: GeneratorsAtStep | None
+    ) -> None:
+        """The gradients of the step's batch, looked at, and the optimizer's step."""
         self.optimizer.zero_grad(set_to_none=True)
+        loss = self.accumulate(inputs, labels)
         if self.scaler is None:
-            loss.backward()
             if self.finite_steps is not None:
                 self.stop_if_not_finite(loss, inputs, labels, started, gradients=True)
             self.optimizer.step()
         else:
-            self.scaler.scale(loss).backward()
             if self.finite_steps is not None:  # the scaler looks at the gradients itself
                 self.stop_if_not_finite(loss, inputs, labels, started, gradients=False)
             scale = self.scaler.get_scale() if self.overflows is not None else 0.0
@@ -724,11 +842,54 @@ class Trainer:
                 if self.overflows.in_a_row >= SKIPS_IN_A_ROW:
                     self.stop_not_finite(loss, inputs, labels, started, gradients=True)
         self.running.add(loss, labels.shape[0])
-        self.position.step += 1
-        self.position.global_step += 1
-        if self.progress is not None:
-            samples = self.running.count * self.launch.world_size
-            self.progress.update(self.position.step, samples, self.running.value)
+
+    @contextlib.contextmanager
+    def reporting_compile(self) -> Iterator[None]:
+        """Around this process's first step under ``--compile``, which compiles: then
+        rank 0 says how long that step took, how many graphs torch.compile made and
+        where it broke the graph (at every data-dependent branch of a dynamic model,
+        and it runs a function whose loop holds one all eagerly)."""
+        # Here, not at the top: importing torch._dynamo takes seconds, and only --compile needs it.
+        from torch._dynamo.utils import counters
+
+        from .testing.compile_check.graph_breaks import graph_break_records, graph_breaks
+
+        config = self.config
+        graphs = counters["stats"]["unique_graphs"]  # private surface: torch's own count
+        began = time.perf_counter()
+        with graph_break_records() as records:
+            yield
+        seconds = time.perf_counter() - began
+        self.compiling = False
+        if self.launch.rank != 0:
+            return
+        made = counters["stats"]["unique_graphs"] - graphs
+        breaks = graph_breaks(records.records, ())
+        lines = [
+            f"torch.compile (backend {config.compile_backend}, mode {config.compile_mode}): "
+            f"the first step took {seconds:.1f} s, compiling included; {made} graph(s) "
+            f"compiled, {len(breaks)} graph break(s)"
+        ]
+        lines += [f"  {str(graph_break).splitlines()[0]}" for graph_break in breaks]
+        if not made:
+            lines.append("  nothing was compiled: the model runs eagerly, as without --compile")
+        print("\n".join(lines), file=self.log)
+
+    def accumulate(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The step's loss (the mean over all its samples); each micro-batch's gradients
+        added to the parameters' (scaled, under fp16). Under DDP only the last
+        micro-batch's backward all-reduces: the others run under ``no_sync``, which
+        leaves their gradients in the parameters' for it to add to."""
+        micros = micro_batches(inputs, labels, self.config.batch_size)
+        loss: torch.Tensor | None = None
+        for index, micro in enumerate(micros):
+            last = index == len(micros) - 1
+            with contextlib.nullcontext() if last or self.ddp is None else self.ddp.no_sync():
+                part = micro_loss(self.network, micro, self.autocast)
+                (part if self.scaler is None else self.scaler.scale(part)).backward()
+            loss = part.detach() if loss is None else loss + part.detach()
+        assert loss is not None
+        return loss
 
     def stop_if_not_finite(
         self,
@@ -765,7 +926,9 @@ class Trainer:
         key = self.batches.key(self.position.epoch, self.position.step)
         started.restore(self.device)
         rng = _checkpoint.rng_state(self.device)  # the step's start, as a checkpoint holds it
-        loss_of = functools.partial(step_loss, autocast=self.autocast)
+        loss_of = functools.partial(
+            step_loss, autocast=self.autocast, micro_batch=self.config.batch_size
+        )
         origin = locate(self.model, inputs, labels, loss_of)
         mine = RankRecord(
             self.launch.rank, key.indices.tolist(), loss.item(), origin, rng, self.running.state()
@@ -1075,6 +1238,49 @@ def lock_holder(text: str) -> str:
     return text
 
 
+def compile_mode(text: str) -> str:
+    if text not in COMPILE_MODES:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(COMPILE_MODES)}, got {text!r}")
+    return text
+
+
+def compile_backend(text: str) -> str:
+    """A backend's name; the list is asked for only for another than inductor (it takes
+    seconds: it imports them all)."""
+    if text != "inductor":
+        known = torch.compiler.list_backends(exclude_tags=())
+        if text not in known:
+            raise argparse.ArgumentTypeError(
+                f"must be a torch.compile backend ({', '.join(known)}), got {text!r}"
+            )
+    return text
+
+
+class TrainParser(argparse.ArgumentParser):
+    """train's parser, with the checks of flags that go together. ``--compile-backend``
+    and ``--compile-mode`` default to None, so that their being given shows; None is
+    then their default's name. (`parse_command_line` also parses into a namespace whose
+    flags not given hold a marker of its own: those are left as they are.)"""
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[no-untyped-def]
+        parsed, rest = super().parse_known_args(args, namespace)
+        chosen = dict(COMPILE_DEFAULTS)
+        for name in COMPILE_DEFAULTS:
+            value = getattr(parsed, name)
+            if value is None:
+                setattr(parsed, name, chosen[name])
+            elif isinstance(value, str):  # given
+                if parsed.compile is not True:
+                    self.error(f"argument --{name.replace('_', '-')}: needs --compile")
+                chosen[name] = value
+        if chosen["compile_mode"] != "default" and chosen["compile_backend"] != "inductor":
+            self.error(
+                f"argument --compile-mode: {chosen['compile_mode']} is a mode of the inductor "
+                f"backend, and --compile-backend is {chosen['compile_backend']}"
+            )
+        return parsed, rest
+
+
 def add_device_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device",
@@ -1086,7 +1292,7 @@ def add_device_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = TrainParser(
         prog=command_name(f"{PACKAGE}.train"),
         description="Train the example dynamic model (DynamicNet) on synthetic data.",
         epilog=f"Several GPUs: torchrun --nproc_per_node N -m {PACKAGE}.train --device cuda ...",
@@ -1097,7 +1303,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         type=positive_int,
         default=64,
-        help="samples per step and process (default: 64)",
+        help="samples per step and process; with --accumulate, per micro-batch (default: 64)",
     )
     parser.add_argument(
         "--epochs", metavar="N", type=positive_int, default=10, help="epochs in all (default: 10)"
@@ -1182,6 +1388,33 @@ def build_parser() -> argparse.ArgumentParser:
         "stop before the first that is not finite, naming the op and line that made it, "
         "with a bundle in the run folder that replays the step; alone, means stop "
         "(default: off)",
+    )
+    parser.add_argument(
+        "--accumulate",
+        metavar="N",
+        type=positive_int,
+        default=1,
+        help="micro-batches of --batch-size per optimizer step, their gradients summed: "
+        "steps of N x --batch-size samples in the memory of one micro-batch (default: 1)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="run the model through torch.compile (the first step compiles; rank 0 says "
+        "how long it took)",
+    )
+    parser.add_argument(
+        "--compile-backend",
+        metavar="NAME",
+        type=compile_backend,
+        help="torch.compile's backend, with --compile: inductor, or aot_eager, eager... "
+        "(default: inductor)",
+    )
+    parser.add_argument(
+        "--compile-mode",
+        metavar="{" + ",".join(COMPILE_MODES) + "}",
+        type=compile_mode,
+        help="torch.compile's mode, with --compile and the inductor backend (default: default)",
     )
     parser.add_argument(
         "--take-over-lock",
