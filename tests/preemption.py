@@ -35,10 +35,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from conftest import module_environment
-from test_train_hangs import assert_nothing_left
 from training import (
     TRAIN,
     assert_bitwise_equal,
+    assert_nothing_left,
     checkpoint,
     gloo_environment,
     metrics,

@@ -28,12 +28,13 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import module_environment
-from test_train_nonfinite import SQRT_OF_A_NEGATIVE, replay_line
 from training import (
+    SQRT_OF_A_NEGATIVE,
     assert_bitwise_equal,
     checkpoint,
     metrics,
     plant,
+    replay_line,
     reproducible,
     run_printed,
     torchrun,

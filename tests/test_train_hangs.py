@@ -28,6 +28,7 @@ from training import (
     SMALL,
     TRAIN,
     assert_bitwise_equal,
+    assert_nothing_left,
     checkpoint,
     plant,
     run_printed,
@@ -42,9 +43,6 @@ PREFIX = f"python -m {TRAIN}: error: "
 STEPS = 32  # an epoch of SMALL
 # Far longer than any of these runs takes to end (a few seconds), far shorter than a hang.
 ENDS_WITHIN_S = 60
-# A process killed by PR_SET_PDEATHSIG disappears from /proc once its parent has reaped
-# it, which for an orphan is init: allow it a moment.
-GONE_WITHIN_S = 10
 
 NAN_AT_STEP = """
     import os
@@ -80,29 +78,6 @@ SEED_OF_RANDOM = """
 
     register_optimizer_step_post_hook(after_step)
 """
-
-
-def processes_of(marker: str) -> list[str]:
-    """The command lines of the processes whose command line holds ``marker``."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            words = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:  # ended meanwhile
-            continue
-        line = " ".join(word.decode(errors="replace") for word in words if word)
-        if marker in line:
-            found.append(f"{entry.name}: {line}")
-    return found
-
-
-def assert_nothing_left(marker: str) -> None:
-    deadline = time.monotonic() + GONE_WITHIN_S
-    while (left := processes_of(marker)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not left, "processes left behind:\n" + "\n".join(left)
 
 
 def children(pid: int) -> list[int]:

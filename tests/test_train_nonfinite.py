@@ -23,33 +23,18 @@ from conftest import DEFAULT_PACKAGE, module_environment
 from training import (
     EPOCHS,
     SMALL,
+    SQRT_OF_A_NEGATIVE,
     assert_bitwise_equal,
     checkpoint,
     metrics,
     plant,
+    replay_line,
     reproducible,
     run_printed,
     torchrun,
     train,
 )
 
-# A model with a user's bug: the square root of a spread that is negative for the few
-# samples whose largest input exceeds 12 (about one in 300 of the synthetic data).
-SQRT_OF_A_NEGATIVE = f"""
-    import torch
-    from {DEFAULT_PACKAGE} import models
-
-    _forward = models.DynamicNet.forward
-
-
-    def forward_with_a_bug(self, x):
-        out = _forward(self, x)
-        spread = torch.sqrt(12.0 - x.abs().amax(dim=1, keepdim=True))
-        return out * spread
-
-
-    models.DynamicNet.forward = forward_with_a_bug
-"""
 # Finite forward, NaN backward: the gradient of sqrt at 0 is inf, and times 0, NaN.
 SQRT_AT_ZERO = f"""
     import torch
@@ -70,11 +55,6 @@ STOP = f"python -m {DEFAULT_PACKAGE}.train: error: training stopped before "
 def train_planted(project: Path, bug: Path, *args: str):
     """``train`` with the ``sitecustomize`` in ``bug`` loaded first."""
     return train(project, *args, env=module_environment(project, path=(bug,)))
-
-
-def replay_line(stderr: str) -> str:
-    (line,) = re.findall(r"^Replay it under finite_check with: (.*)$", stderr, re.M)
-    return line
 
 
 def test_a_finite_run_is_unchanged_bit_for_bit(default_project: Path, reference: Path, tmp_path):

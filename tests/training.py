@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import csv
 import importlib
+import os
+import re
 import shlex
 import shutil
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -202,3 +205,55 @@ def finished_run(tmp_path: Path, one_epoch: Path) -> Path:
 def resume(directory: Path) -> tuple[str, ...]:
     """The arguments that resume a SMALL run in ``directory`` for a second epoch."""
     return (*SMALL, "--epochs", "2", "--resume", "--run-dir", str(directory))
+
+
+# A process killed by PR_SET_PDEATHSIG disappears from /proc once its parent has reaped
+# it, which for an orphan is init: allow it a moment.
+GONE_WITHIN_S = 10
+
+
+def processes_of(marker: str) -> list[str]:
+    """The command lines of the processes whose command line holds ``marker``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            words = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # ended meanwhile
+            continue
+        line = " ".join(word.decode(errors="replace") for word in words if word)
+        if marker in line:
+            found.append(f"{entry.name}: {line}")
+    return found
+
+
+def assert_nothing_left(marker: str) -> None:
+    deadline = time.monotonic() + GONE_WITHIN_S
+    while (left := processes_of(marker)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, "processes left behind:\n" + "\n".join(left)
+
+
+# A model with a user's bug: the square root of a spread that is negative for the few
+# samples whose largest input exceeds 12 (about one in 300 of the synthetic data).
+SQRT_OF_A_NEGATIVE = f"""
+    import torch
+    from {DEFAULT_PACKAGE} import models
+
+    _forward = models.DynamicNet.forward
+
+
+    def forward_with_a_bug(self, x):
+        out = _forward(self, x)
+        spread = torch.sqrt(12.0 - x.abs().amax(dim=1, keepdim=True))
+        return out * spread
+
+
+    models.DynamicNet.forward = forward_with_a_bug
+"""
+
+
+def replay_line(stderr: str) -> str:
+    (line,) = re.findall(r"^Replay it under finite_check with: (.*)$", stderr, re.M)
+    return line
