@@ -100,11 +100,7 @@ class StepLook:
 
     losses: tuple[int, ...]
     gradients: bool
-    parameters: bool = False
-
-    @property
-    def finite(self) -> bool:
-        return not self.losses and not self.gradients and not self.parameters
+    parameters: bool
 
 
 class FiniteSteps:
@@ -172,6 +168,11 @@ class OverflowSkips:
             self.in_a_row += 1
         else:
             self.in_a_row = 0
+
+    @property
+    def endless(self) -> bool:
+        """`SKIPS_IN_A_ROW` skips in a row: no scale makes these gradients finite."""
+        return self.in_a_row >= SKIPS_IN_A_ROW
 
     def __str__(self) -> str:
         return (

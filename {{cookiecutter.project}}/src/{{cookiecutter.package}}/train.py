@@ -121,7 +121,6 @@ from ._files import UNLOCKED, FolderLock, remove_incomplete
 from ._finite_steps import (
     CHECKPOINT,
     RECORD,
-    SKIPS_IN_A_ROW,
     FiniteSteps,
     GeneratorsAtStep,
     NotFiniteStep,
@@ -849,7 +848,7 @@ class Trainer:
             self.scaler.update()
             if self.overflows is not None:
                 self.overflows.step(scale, self.scaler.get_scale())
-                if self.overflows.in_a_row >= SKIPS_IN_A_ROW:
+                if self.overflows.endless:
                     self.stop_not_finite(loss, inputs, labels, started, gradients=True)
         self.running.add(loss, labels.shape[0])
 
@@ -994,7 +993,7 @@ class Trainer:
         if look.gradients:
             what.append(
                 "the gradients were not finite"
-                if self.overflows is None or self.overflows.in_a_row < SKIPS_IN_A_ROW
+                if self.overflows is None or not self.overflows.endless
                 else f"GradScaler skipped {self.overflows.in_a_row} steps in a row: no scale "
                 "makes these gradients finite"
             )
