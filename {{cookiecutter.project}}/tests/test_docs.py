@@ -4,7 +4,8 @@ the output shown under a block is what today's code prints.
 A Python block that defines ``test_`` functions is a test module: it runs in its own pytest
 session with the bundled plugin (``-v``, so each check's report line is printed). A block
 whose first line is ``# examples/NAME.py`` (or any ``# NAME.py``) is written to that path
-first, for the page's tests to import, and shows up in messages under that name. Any other
+first, for the page's tests to import, and shows up in messages under that name; a test
+module whose first line is ``# pytest ARGS`` runs with those arguments too. Any other
 Python block runs as a script. A ``text`` block right under a Python block holds lines its
 run must print, in order; durations (``0.19 s``, ``3.9 ms``) are not compared, and ``...``
 in a shown line stands for any text. Without one, the run must succeed. ``pytest -m slow
@@ -16,6 +17,7 @@ from __future__ import annotations
 import ast
 import enum
 import re
+import shlex
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -27,7 +29,10 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FENCE = re.compile(r"^(?P<indent> *)```(?P<info>[\w-]*)\s*$")
 NAMED = re.compile(r"^# (?P<path>[\w/.-]+\.py)$")
+OPTIONS = re.compile(r"^# pytest (?P<args>.+)$")
 LINK = re.compile(r"\]\((?P<target>[^)\s#]+)(?:#[^)\s]*)?\)")
+# A README read in five minutes: the reference is in docs/.
+README_MAX_LINES = 250
 DURATION = re.compile(r"\b\d[\d,]*(?:\.\d+)? ?(?:s|ms|µs)\b")
 # The examples run the checks on small models; a few take seconds, none a minute.
 EXAMPLE_TIMEOUT_S = 600
@@ -51,6 +56,11 @@ class Block:
         first = self.code.split("\n", 1)[0]
         match = NAMED.match(first)
         return match["path"] if match else None
+
+    @property
+    def pytest_args(self) -> list[str]:
+        match = OPTIONS.match(self.code.split("\n", 1)[0])
+        return shlex.split(match["args"]) if match else []
 
     @property
     def kind(self) -> Kind:
@@ -121,6 +131,13 @@ def missing_lines(shown: str, printed: str) -> list[str]:
     return missing
 
 
+def test_the_readme_is_short():
+    lines = len(PAGES[0].read_text(encoding="utf-8").splitlines())
+    assert lines <= README_MAX_LINES, (
+        f"README.md has {lines} lines, more than {README_MAX_LINES}: move reference to docs/"
+    )
+
+
 def test_every_docs_page_is_linked_from_the_readme():
     readme = PAGES[0].read_text(encoding="utf-8")
     linked = {(ROOT / match["target"]).resolve() for match in LINK.finditer(readme)}
@@ -168,6 +185,7 @@ def test_python_blocks_run_and_print_what_they_show(block: Block, tmp_path: Path
         command = [
             sys.executable, "-m", "pytest", str(target), "-v", "-p", "no:cacheprovider",
             "-p", "{{ cookiecutter.package }}.testing.plugin", "--rootdir", str(tmp_path),
+            *block.pytest_args,
         ]  # fmt: skip
     else:
         command = [sys.executable, str(target)]
