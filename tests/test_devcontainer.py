@@ -297,6 +297,7 @@ def test_a_symlinked_key_folder_is_refused(project: Path, tmp_path: Path):
 
 def test_readme_explains_the_container(project: Path):
     readme = (project / "README.md").read_text()
+    readme += (project / "docs" / "devcontainer.md").read_text()
     assert "<!-- section: devcontainer -->" not in readme
     for expected in (
         "Reopen in Container",

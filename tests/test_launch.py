@@ -676,11 +676,10 @@ README_COMMAND = (
 def test_readme_shows_the_script_launch_writes(
     launch, capsys, default_project: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """The generated README's script is what --dry-run prints for its command, on a
+    """The script on the generated docs' launch page is what --dry-run prints for its command, on a
     cluster named ``hpc``, run in /home/me/<project> with its .venv (the date and the
-    token aside): a change to the script fails here until the README shows it."""
-    readme = (default_project / "README.md").read_text()
-    section = readme.split("### SLURM: `", 1)[1].split("\n### ", 1)[0]
+    token aside): a change to the script fails here until the page shows it."""
+    section = (default_project / "docs" / "commands" / "launch.md").read_text()
     shown = section.split("\n```bash\n", 1)[1].split("\n```\n", 1)[0] + "\n"
     command = section.split("\n```console\n$ ", 1)[1].split("\n", 1)[0]
     assert command == f"{default_project.name}-launch slurm {shlex.join(README_COMMAND)}"

@@ -1,4 +1,4 @@
-"""The template's README says what the template does: its commands, prompts and tables."""
+"""The template's README and docs/ say what the template does: its commands, prompts and tables."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from conftest import TEMPLATE_DIR, copy_template
 from cookiecutter.main import cookiecutter
 
 README = (TEMPLATE_DIR / "README.md").read_text()
+COMPATIBILITY = (TEMPLATE_DIR / "docs" / "compatibility.md").read_text()
 CONTEXT = json.loads((TEMPLATE_DIR / "cookiecutter.json").read_text())
 TABLE = CONTEXT["_compatibility"]
 
@@ -21,9 +22,9 @@ def two_commands() -> list[str]:
     return [line for line in block.splitlines() if line and not line.startswith("#")]
 
 
-def table_rows(header: str) -> list[list[str]]:
+def table_rows(header: str, text: str = README) -> list[list[str]]:
     """The body rows of the Markdown table whose header line starts with ``header``."""
-    lines = README.splitlines()
+    lines = text.splitlines()
     start = next(i for i, line in enumerate(lines) if line.startswith(header)) + 2
     table = []
     for line in lines[start:]:
@@ -50,12 +51,13 @@ def test_every_answer_has_a_prompt_row_and_a_prompt():
 
 
 def test_compatibility_tables_match_the_data():
-    torch_rows = {row[0]: (row[1], row[2]) for row in table_rows("| torch | CUDA builds |")}
+    rows = table_rows("| torch | CUDA builds |", COMPATIBILITY)
+    torch_rows = {row[0]: (row[1], row[2]) for row in rows}
     assert torch_rows == {
         torch: (", ".join(cudas), ", ".join(TABLE["torch_python"][torch]))
         for torch, cudas in TABLE["torch_cuda"].items()
     }
-    drivers = {row[0]: row[1].split()[0] for row in table_rows("| CUDA major |")}
+    drivers = {row[0]: row[1].split()[0] for row in table_rows("| CUDA major |", COMPATIBILITY)}
     assert drivers == TABLE["min_driver_by_cuda_major"]
 
 
