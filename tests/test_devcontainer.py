@@ -12,6 +12,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import json5
 import pytest
 from conftest import TEMPLATE_DIR, tool
 from devcontainer import DEVCONTAINER_CLI_VERSION
@@ -50,8 +51,9 @@ def jupyter_on(project: Path) -> bool:
 
 
 def config(project: Path) -> dict:
-    """devcontainer.json is plain JSON (no comments): JSONC readers and check-json agree."""
-    return json.loads((project / ".devcontainer" / "devcontainer.json").read_text())
+    """devcontainer.json is JSON with comments (JSONC), as VS Code and the Dev Containers CLI
+    read it: its first lines say what it is for."""
+    return json5.loads((project / ".devcontainer" / "devcontainer.json").read_text())
 
 
 def dockerfile(project: Path) -> str:

@@ -68,6 +68,7 @@ from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
 
+import json5
 import pytest
 from conftest import bake_project
 from devcontainer import DEVCONTAINER_CLI_VERSION
@@ -358,7 +359,7 @@ SHARED_PIP_CACHE = "e2e-shared-pip-cache"
 def write_override(project: Path, base_image: str, **build_args: str) -> Path:
     """The generated config with the stand-in base image, the host network, and the pip
     cache volume shared by every variant (so a wheel is downloaded once per run)."""
-    config = json.loads((project / ".devcontainer" / "devcontainer.json").read_text())
+    config = json5.loads((project / ".devcontainer" / "devcontainer.json").read_text())
     config["build"]["args"].update(BASE_IMAGE=base_image, **build_args)
     config["build"]["options"] = ["--network=host"]
     config["runArgs"] = [*config.get("runArgs", []), "--network=host"]
