@@ -43,6 +43,7 @@ BASE_FILES = frozenset(
         "docs/commands/doctor.md",
         "docs/commands/launch.md",
         "docs/commands/train.md",
+        "docs/conf.py",
         "docs/devcontainer.md",
         "docs/development.md",
         "docs/index.md",
