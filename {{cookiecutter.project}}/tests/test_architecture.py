@@ -1,8 +1,9 @@
 """The shape of the package's code, and ARCHITECTURE.md kept true to it.
 
-Each check module is imported in a fresh interpreter: it may pull in torch and the
-shared floor (``testing.SHARED_FLOOR``), never another check. The plugin module, which
-pytest loads in every run, must load without torch. ARCHITECTURE.md names every module
+Each check module is imported in a fresh interpreter (a fork of one that has imported
+torch alone): it may pull in torch and the shared floor (``testing.SHARED_FLOOR``),
+never another check. The plugin module, which pytest loads in every run, must load
+without torch, in a fresh interpreter of its own. ARCHITECTURE.md names every module
 of the package (a package's modules in its own block) and lists every import from
 ``testing/`` outside it, each of a floor module.
 """
