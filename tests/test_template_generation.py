@@ -206,6 +206,14 @@ def test_workflow_installs_cpu_torch_and_tests_lowest_python(baked):
     assert f'"torch=={full["torch_version"]}"' in torch_install
     assert "--index-url https://download.pytorch.org/whl/cpu" in torch_install
     assert runs.index(torch_install) < next(i for i, r in enumerate(runs) if ".[dev]" in r)
+    # The default run leaves out the slow tests (pyproject.toml's -m "not slow"); a step
+    # after it runs them alone.
+    pytest_runs = [run for run in runs if run.startswith("python -m pytest")]
+    assert pytest_runs[:2] == ["python -m pytest -n auto", "python -m pytest -n auto -m slow"]
+    addopts = tomllib.loads((project / "pyproject.toml").read_text())["tool"]["pytest"][
+        "ini_options"
+    ]["addopts"]
+    assert addopts[-2:] == ["-m", "not slow"]
     (decisions,) = [step for step in tests["steps"] if "--decisions" in step.get("run", "")]
     assert "--decisions-json decisions.json" in decisions["run"]
     assert decisions["if"] == f"matrix.python-version == '{full['python_version']}'"

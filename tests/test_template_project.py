@@ -34,7 +34,10 @@ def test_fresh_project_passes_its_own_checks(bake, project_env: ProjectEnv, answ
     git(project, "add", "--all")
 
     # Tests first: the hooks may rewrite files (ruff --fix, ruff format).
-    tests = project_env.run("pytest", "-p", "no:cacheprovider", cwd=project, check=False)
+    # Every test, the slow ones too (a plain pytest leaves them out: -m "not slow").
+    tests = project_env.run(
+        "pytest", "-m", "slow or not slow", "-p", "no:cacheprovider", cwd=project, check=False
+    )
     hooks = project_env.run(
         "pre_commit", "run", "--all-files", "--show-diff-on-failure", cwd=project, check=False
     )

@@ -1,17 +1,20 @@
 """The shape of the package's code, and ARCHITECTURE.md kept true to it.
 
-Each check module is imported in a fresh interpreter: it may pull in torch and the
-shared floor (``testing.SHARED_FLOOR``), never another check. The plugin module, which
-pytest loads in every run, must load without torch. ARCHITECTURE.md names every module
+Each check module is imported in a fresh interpreter (a fork of one that has imported
+torch alone): it may pull in torch and the shared floor (``testing.SHARED_FLOOR``),
+never another check. The plugin module, which pytest loads in every run, must load
+without torch, in a fresh interpreter of its own. ARCHITECTURE.md names every module
 of the package (a package's modules in its own block) and lists every import from
 ``testing/`` outside it, each of a floor module.
 """
 
 import ast
+import json
 import pkgutil
 import re
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -153,9 +156,52 @@ def test_the_package_holds_checks():
     assert "calls" not in CHECKS
 
 
+# Each check imported in its own fork of one fresh interpreter that has imported only
+# torch (every check imports it; it imports nothing of this package): what a fresh
+# interpreter loads for the check, without paying torch's import (seconds) per check.
+# Each child prints its check and the package's modules it loaded, as one JSON line.
+EACH_CHECK_IN_A_FORK = """
+import importlib, json, os, sys, warnings
+import torch
+package, *checks = sys.argv[1:]
+for check in checks:
+    with warnings.catch_warnings():  # Python 3.12 warns about fork() with threads
+        warnings.simplefilter("ignore", DeprecationWarning)
+        child = os.fork()
+    if child == 0:
+        importlib.import_module(f"{package}.{check}")
+        loaded = [name for name in sys.modules if name.startswith(f"{package}.")]
+        print(json.dumps([check, loaded]), flush=True)
+        os._exit(0)
+    os.waitpid(child, 0)
+"""
+
+
+@dataclass(frozen=True)
+class ChecksImported:
+    """The package's modules that importing each check loaded; a check whose import
+    failed is missing, and its traceback is in ``stderr``."""
+
+    loaded: dict[str, set[str]]
+    stderr: str
+
+
+@pytest.fixture(scope="module")
+def checks_imported() -> ChecksImported:
+    result = subprocess.run(
+        [sys.executable, "-c", EACH_CHECK_IN_A_FORK, PACKAGE, *CHECKS],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    lines = map(json.loads, result.stdout.splitlines())
+    return ChecksImported({check: set(loaded) for check, loaded in lines}, result.stderr)
+
+
 @pytest.mark.parametrize("check", CHECKS)
-def test_a_check_imports_no_other_check(check):
-    loaded = modules_loaded_by(f"import {PACKAGE}.{check}")
+def test_a_check_imports_no_other_check(checks_imported, check):
+    loaded = checks_imported.loaded.get(check)
+    assert loaded is not None, f"importing {PACKAGE}.{check} failed:\n{checks_imported.stderr}"
     others = [name for name in CHECKS if name != check and f"{PACKAGE}.{name}" in loaded]
     assert not others, (
         f"importing {PACKAGE}.{check} imports the check module(s) {', '.join(others)}: checks "

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
@@ -62,10 +63,12 @@ def test_doctor_finds_nothing_wrong():
     assert doctor.returncode == 0, failures(doctor)
 
 
+@pytest.mark.slow
 def test_train_resumes_bit_for_bit_on_the_cpu(tmp_path):
     assert_resume_is_bitwise_equal("cpu", tmp_path)
 
 
+@pytest.mark.slow
 def test_train_stops_on_sigterm_and_resumes_bit_for_bit(tmp_path):
     """What a preempted job sees (``docker stop``, SLURM): SIGTERM after step 20 of 32,
     a checkpoint of step 20, exit status 143 (128 + 15); ``--resume`` then ends with the
@@ -113,6 +116,7 @@ SITECUSTOMIZE = (
 )
 
 
+@pytest.mark.slow
 def test_train_survives_stop_signals_at_random_moments(tmp_path):
     whole = tmp_path / "whole"
     args = ["--device", "cpu", *SMALL, "--epochs", "2"]
@@ -186,5 +190,6 @@ def test_doctor_with_require_gpu(gpu):
     assert "autograd cuda:0" in names
 
 
+@pytest.mark.slow
 def test_train_resumes_bit_for_bit_on_the_gpu(gpu, tmp_path):
     assert_resume_is_bitwise_equal("cuda", tmp_path)

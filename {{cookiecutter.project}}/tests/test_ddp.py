@@ -23,6 +23,8 @@ def test_per_sample_branches_train_as_one_process(ddp_check):
     assert result.static_graph_safe
 
 
+# Slow: the failure measures what find_unused_parameters=True costs, in more DDP runs.
+@pytest.mark.slow
 def test_the_refine_layer_needs_find_unused_parameters(ddp_check):
     torch.manual_seed(0)
     model, x = RoutedRefineNet(), torch.randn(4, 8)
