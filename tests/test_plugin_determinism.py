@@ -211,6 +211,22 @@ def test_reproducible_models_pass(plugin_pytester: pytest.Pytester) -> None:
     )
 
 
+def test_under_xdist_the_controller_prints_each_result_once(plugin_pytester: pytest.Pytester):
+    """A worker has no terminal: the controller writes the result lines the workers' reports
+    carry, each call's once (not again for its teardown's report), and only with ``-v``."""
+
+    def results(*args: str) -> list[str]:
+        run = run_session(plugin_pytester, PASSING, *args)
+        run.assert_outcomes(passed=12)
+        lines = [line for line in run.outlines if line.startswith("autograd_determinism ")]
+        return sorted(re.sub(r" in [\d.]+ s", "", line) for line in lines)
+
+    serial = results("-v")
+    assert len(serial) >= 12
+    assert results("-v", "-n", "2") == serial
+    assert results("-n", "2") == []
+
+
 FAILING = """
 import time
 

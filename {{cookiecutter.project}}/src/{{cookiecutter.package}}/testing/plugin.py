@@ -273,7 +273,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     # Every plugin is loaded by now, and xdist's hooks are needed before configure.
     if early_config.pluginmanager.has_plugin("xdist"):
-        early_config.pluginmanager.register(_XdistHooks(), f"{__name__}.xdist")
+        early_config.pluginmanager.register(_XdistHooks(early_config), f"{__name__}.xdist")
 
 
 def global_state_policy(value: str) -> GlobalStatePolicy:
@@ -569,7 +569,23 @@ class _DecisionHooks:
 
 
 class _XdistHooks:
-    """Hooks that exist only with pytest-xdist: one GPU per worker."""
+    """Hooks that exist only with pytest-xdist: one GPU per worker, and the checks' report
+    lines, which a worker cannot write to the terminal, written by the controller."""
+
+    def __init__(self, config: pytest.Config) -> None:
+        self.config = config
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        # xdist gives the controller's copy of a worker's report its ``node``; a report of
+        # this process's own test was written live already. Later phases' reports repeat
+        # the call's sections.
+        if getattr(report, "node", None) is None or report.when != "call":
+            return
+        if self.config.get_verbosity() <= 0:
+            return
+        for title, text in report.sections:
+            if title in _REPORT_SECTIONS:
+                _write_live(self.config, text)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_xdist_auto_num_workers(self, config: pytest.Config) -> int | None:
@@ -768,6 +784,17 @@ def _global_state_message(changed: list[str], policy: GlobalStatePolicy) -> str:
         f"@pytest.mark.{CHANGES_GLOBAL_STATE_MARKER} if the change is intended, or set "
         f"{GLOBAL_STATE_INI} = {quieter} in the pytest configuration"
     )
+
+
+# The checks whose fixtures report their results (``_reporting``), as the sections pytest
+# names them: "Captured <name> call".
+_REPORT_SECTIONS = frozenset(
+    f"Captured {name} call"
+    for name in (
+        "autograd_determinism", "gradcheck", "compile_check", "export_check",
+        "finite_check", "training_check", "ddp_check",
+    )
+)  # fmt: skip
 
 
 def _reporting(
