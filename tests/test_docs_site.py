@@ -28,7 +28,11 @@ if importlib.util.find_spec("sphinx") is None:
     )
 
 # As the generated ci.yml runs it, from the project's folder.
-BUILD = ("-m", "sphinx", "-W", "--keep-going", "-n", "-b", "html", "docs", "docs/_build/html")
+# --no-color: a CI runner may set FORCE_COLOR, and the lines are matched by their start.
+BUILD = (
+    "-m", "sphinx", "-W", "--keep-going", "-n", "--no-color",
+    "-b", "html", "docs", "docs/_build/html",
+)  # fmt: skip
 
 
 def copy_docs(project: Path, destination: Path) -> Path:

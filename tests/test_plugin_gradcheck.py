@@ -690,8 +690,9 @@ def test_jumps_and_the_parameters_of_a_wrong_expert_are_named(plugin_pytester):
 def test_generated_gradient_tests_pass(plugin_pytester, default_project: Path):
     tests = default_project / "tests" / "test_gradients.py"
     result = plugin_pytester.runpytest(
-        str(tests), "-p", PLUGIN_MODULE, "-p", "no:cacheprovider", "-m", "slow or not slow"
-    )
+        str(tests), "-p", PLUGIN_MODULE, "-p", "no:cacheprovider", "-m", "slow or not slow",
+        "-n0",  # in this process, which has the project's src on sys.path
+    )  # fmt: skip
     result.assert_outcomes(passed=25, skipped=7)
 
 

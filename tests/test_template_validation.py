@@ -296,7 +296,7 @@ def test_reserved_names_hold_what_the_project_installs(default_project: Path):
     extras = tomllib.loads((default_project / "pyproject.toml").read_text())["project"][
         "optional-dependencies"
     ]
-    assert set(extras) == {"dev", "train", "notebook"}
+    assert set(extras) == {"dev", "train", "notebook", "docs"}
     roots = [r for group in extras.values() for r in group if not r.startswith("dynamic-model[")]
     installed = requirement_closure(roots) | torch
     reserved = {
