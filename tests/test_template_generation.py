@@ -213,7 +213,7 @@ def test_workflow_installs_cpu_torch_and_tests_lowest_python(baked):
     addopts = tomllib.loads((project / "pyproject.toml").read_text())["tool"]["pytest"][
         "ini_options"
     ]["addopts"]
-    assert addopts[-4:] == ["-m", "not slow", "-n", "auto"]
+    assert addopts[-6:] == ["-m", "not slow", "-n", "auto", "--dist", "worksteal"]
     (decisions,) = [step for step in tests["steps"] if "--decisions" in step.get("run", "")]
     assert "--decisions-json decisions.json" in decisions["run"]
     assert decisions["if"] == f"matrix.python-version == '{full['python_version']}'"
