@@ -2,7 +2,8 @@
 
 A default project is baked into a temporary folder and its tests are run as a user runs
 them, from the project's folder with its ``pyproject.toml`` (the plugin, ``-m "not
-slow" -n auto``), with the project's ``src`` on ``PYTHONPATH`` and torch already installed:
+slow" -n auto --dist worksteal``), with the project's ``src`` on ``PYTHONPATH`` and torch
+already installed:
 
 - ``pytest``: the default set as configured, one xdist worker per core (the target);
 - ``pytest -n0``: the default set in one process, what ``-n auto`` saves;
