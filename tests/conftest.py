@@ -20,6 +20,12 @@ TEMPLATE_DIR = Path(__file__).resolve().parent.parent
 DEFAULT_PACKAGE = "dynamic_model"
 PLUGIN_MODULE = f"{DEFAULT_PACKAGE}.testing.plugin"
 
+# The tests match what the processes they start (pytest, sphinx, pre-commit) print by its
+# text. A CI runner that forces colour would put escape codes in it; without these, a
+# child process that writes to a pipe prints plain text, as on the generated project's CI.
+for _forces_colour in ("FORCE_COLOR", "PY_COLORS", "CLICOLOR_FORCE"):
+    os.environ.pop(_forces_colour, None)
+
 
 def bake_project(output_dir: Path, **answers: object) -> Path:
     """Generate a project from the template without prompts; return its folder."""

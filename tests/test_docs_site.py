@@ -28,9 +28,8 @@ if importlib.util.find_spec("sphinx") is None:
     )
 
 # As the generated ci.yml runs it, from the project's folder.
-# --no-color: a CI runner may set FORCE_COLOR, and the lines are matched by their start.
 BUILD = (
-    "-m", "sphinx", "-W", "--keep-going", "-n", "--no-color",
+    "-m", "sphinx", "-W", "--keep-going", "-n",
     "-b", "html", "docs", "docs/_build/html",
 )  # fmt: skip
 
