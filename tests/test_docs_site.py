@@ -27,9 +27,10 @@ if importlib.util.find_spec("sphinx") is None:
         allow_module_level=True,
     )
 
-# As the generated ci.yml runs it, from the project's folder.
+# As the generated ci.yml runs it, from the project's folder; --no-color: sphinx colours
+# where CI=true, and the lines are matched by their start.
 BUILD = (
-    "-m", "sphinx", "-W", "--keep-going", "-n",
+    "-m", "sphinx", "-W", "--keep-going", "-n", "--no-color",
     "-b", "html", "docs", "docs/_build/html",
 )  # fmt: skip
 

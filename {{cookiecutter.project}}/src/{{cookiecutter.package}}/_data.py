@@ -21,6 +21,7 @@ process, and end with it (`_lifetime`); `close` ends them on every way out of tr
 from __future__ import annotations
 
 import math
+import multiprocessing.connection
 import random
 import signal
 from collections.abc import Iterator
@@ -212,13 +213,25 @@ class DeadWorker:
         return f"DataLoader worker {self.index} (pid {self.pid}) {how}"
 
 
+# A killed worker's sockets close while the kernel tears it down, a moment before its
+# exit status can be read: training may fail first on the closed connection (a
+# ConnectionResetError while it receives a batch). Milliseconds, more on a loaded machine;
+# only a run that failed with every worker alive (a bug in training code) waits it all.
+WORKER_EXIT_GRACE_S = 1.0
+
+
 def dead_workers(batches: WorkerBatches | InProcessBatches) -> list[DeadWorker]:
     """The workers of ``batches`` that have ended while it still runs (read before `close`,
-    which ends the others). DataLoader's own error says "exited unexpectedly" or "is
-    killed by signal", depending on when it noticed."""
-    iterator = getattr(batches, "_iterator", None)
+    which ends the others), waiting `WORKER_EXIT_GRACE_S` at most for one that is ending.
+    DataLoader's own error says "exited unexpectedly" or "is killed by signal", or
+    training met the closed connection, depending on when it noticed."""
+    workers = getattr(getattr(batches, "_iterator", None), "_workers", [])
+    sentinels = [process.sentinel for process in workers]
+    ending = multiprocessing.connection.wait(sentinels, WORKER_EXIT_GRACE_S) if workers else []
     found = []
-    for index, process in enumerate(getattr(iterator, "_workers", [])):
+    for index, process in enumerate(workers):
+        if process.sentinel in ending:
+            process.join()  # it is ending: its status comes in moments
         if process.exitcode not in (None, 0):
             found.append(DeadWorker(index, process.pid, process.exitcode))
     return found
