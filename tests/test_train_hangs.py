@@ -13,6 +13,8 @@ command line.
 
 from __future__ import annotations
 
+import importlib
+import multiprocessing.connection
 import os
 import random
 import signal
@@ -22,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import module_environment
+from conftest import DEFAULT_PACKAGE, module_environment
 from training import (
     AFTER_STEP,
     SMALL,
@@ -184,6 +186,50 @@ def test_a_killed_worker_ends_the_run_in_one_line(default_project: Path, tmp_pat
     assert stderr.splitlines()[-1].startswith(f"{PREFIX}training failed in epoch "), stderr
     assert f"DataLoader worker 0 (pid {worker}) was killed by SIGKILL (the OOM killer" in stderr
     assert_nothing_left(str(run))
+
+
+def test_a_worker_killed_under_a_closed_connection_is_waited_for(train_module) -> None:
+    """The race above, made certain: a worker is SIGKILLed and its status read at once.
+    After a closed connection (the error training meets first) the ending worker is
+    waited for and named; after any other error, with every worker alive, nothing waits.
+
+    SIGCHLD is blocked meanwhile: DataLoader's handler would raise from wherever this
+    test then is (as it does in training), and the loader is closed before it runs."""
+    data = importlib.import_module(f"{DEFAULT_PACKAGE}._data")
+    inputs, labels = train_module.synthetic_data(256, seed=0)
+    dataset = data.SyntheticBatches(inputs, labels, noise=0.1, seed=0)
+
+    def started_loader() -> data.WorkerBatches:
+        batches = data.loader(
+            dataset, data.EpochBatches(256, 8, seed=0), workers=2, seed=0, pin_memory=False
+        )
+        next(iter(batches))
+        return batches
+
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+    try:
+        alive = started_loader()
+
+        def no_waiting(*args: object) -> None:
+            raise AssertionError("waited for workers after an error that is not theirs")
+
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(multiprocessing.connection, "wait", no_waiting)
+            assert data.dead_workers(alive, RuntimeError("a bug in training")) == []
+        data.close(alive)
+
+        killed = started_loader()
+        worker = killed._iterator._workers[1]
+        os.kill(worker.pid, signal.SIGKILL)
+        closed = ConnectionResetError(104, "Connection reset by peer")
+        dead = data.dead_workers(killed, closed)
+        data.close(killed)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    assert [str(worker) for worker in dead] == [
+        f"DataLoader worker 1 (pid {worker.pid}) was killed by SIGKILL (the OOM killer's "
+        "signal: dmesg says if it was memory)"
+    ]
 
 
 def test_stop_signals_to_the_whole_process_group_stop_the_run_cleanly(

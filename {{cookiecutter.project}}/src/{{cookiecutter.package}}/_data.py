@@ -215,19 +215,24 @@ class DeadWorker:
 
 # A killed worker's sockets close while the kernel tears it down, a moment before its
 # exit status can be read: training may fail first on the closed connection (a
-# ConnectionResetError while it receives a batch). Milliseconds, more on a loaded machine;
-# only a run that failed with every worker alive (a bug in training code) waits it all.
+# ConnectionResetError or EOFError while it receives a batch). Milliseconds, more on a
+# loaded machine. DataLoader's own errors about a worker come after its status is there.
 WORKER_EXIT_GRACE_S = 1.0
+CLOSED_CONNECTION = (OSError, EOFError)
 
 
-def dead_workers(batches: WorkerBatches | InProcessBatches) -> list[DeadWorker]:
+def dead_workers(
+    batches: WorkerBatches | InProcessBatches, error: BaseException
+) -> list[DeadWorker]:
     """The workers of ``batches`` that have ended while it still runs (read before `close`,
-    which ends the others), waiting `WORKER_EXIT_GRACE_S` at most for one that is ending.
-    DataLoader's own error says "exited unexpectedly" or "is killed by signal", or
-    training met the closed connection, depending on when it noticed."""
+    which ends the others). DataLoader's own ``error`` says "exited unexpectedly" or "is
+    killed by signal", or training met the closed connection, depending on when it
+    noticed: after a closed connection, a worker that is ending is waited for,
+    `WORKER_EXIT_GRACE_S` at most."""
     workers = getattr(getattr(batches, "_iterator", None), "_workers", [])
     sentinels = [process.sentinel for process in workers]
-    ending = multiprocessing.connection.wait(sentinels, WORKER_EXIT_GRACE_S) if workers else []
+    waits = bool(workers) and isinstance(error, CLOSED_CONNECTION)
+    ending = multiprocessing.connection.wait(sentinels, WORKER_EXIT_GRACE_S) if waits else []
     found = []
     for index, process in enumerate(workers):
         if process.sentinel in ending:

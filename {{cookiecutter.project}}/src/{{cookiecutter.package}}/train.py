@@ -1185,7 +1185,7 @@ def train(
         raise
     except Exception as error:
         position = dataclasses.replace(trainer.position)
-        dead = _data.dead_workers(trainer.data)
+        dead = _data.dead_workers(trainer.data, error)
         raise Failed(error, position, trainer.steps, trainer.saved_at, dead) from error
     finally:
         trainer.close(in_step=in_step)
