@@ -163,10 +163,10 @@ def test_a_killed_worker_ends_the_run_in_one_line(default_project: Path, tmp_pat
     """SIGKILL to a DataLoader worker (the OOM killer's signal): the run ends (exit 1) with
     one line naming the worker and the signal, no traceback, and its other worker ends.
 
-    The kill comes once training is under way (its first checkpoint written): DataLoader
-    reports a dead worker by raising from its SIGCHLD handler wherever the training
-    process then is, and in the first batch's fetch torch imports a module under an
-    ``except Exception`` that logs what it caught, with a traceback."""
+    The kill comes once training is under way (its first checkpoint written): in the
+    first batch's fetch torch imports a module under an ``except Exception`` that logs
+    what it caught, with a traceback. Training may meet the death as DataLoader's error
+    or as a connection closed under it (the two tests below make each certain)."""
     run = tmp_path / "run"
     process = started(
         [sys.executable, "-m", TRAIN, *SMALL, "--epochs", "1000", "--workers", "2",
@@ -188,44 +188,68 @@ def test_a_killed_worker_ends_the_run_in_one_line(default_project: Path, tmp_pat
     assert_nothing_left(str(run))
 
 
-def test_a_worker_killed_under_a_closed_connection_is_waited_for(train_module) -> None:
-    """The race above, made certain: a worker is SIGKILLed and its status read at once.
-    After a closed connection (the error training meets first) the ending worker is
-    waited for and named; after any other error, with every worker alive, nothing waits.
-
-    SIGCHLD is blocked meanwhile: DataLoader's handler would raise from wherever this
-    test then is (as it does in training), and the loader is closed before it runs."""
-    data = importlib.import_module(f"{DEFAULT_PACKAGE}._data")
+def started_loader(train_module, data):
+    """A loader of the default project with 2 workers and its iterator, one batch in."""
     inputs, labels = train_module.synthetic_data(256, seed=0)
     dataset = data.SyntheticBatches(inputs, labels, noise=0.1, seed=0)
+    batches = data.loader(
+        dataset, data.EpochBatches(256, 8, seed=0), workers=2, seed=0, pin_memory=False
+    )
+    iterator = iter(batches)
+    next(iterator)
+    return batches, iterator
 
-    def started_loader() -> data.WorkerBatches:
-        batches = data.loader(
-            dataset, data.EpochBatches(256, 8, seed=0), workers=2, seed=0, pin_memory=False
-        )
-        next(iter(batches))
-        return batches
 
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGCHLD})
+def no_waiting(*args: object) -> None:
+    raise AssertionError("waited for workers after an error that is not a closed connection")
+
+
+def test_a_dead_worker_is_raised_where_a_batch_is_fetched_not_elsewhere(train_module) -> None:
+    """DataLoader's SIGCHLD handler raises wherever the training process is (in
+    ``Thread.start``, a checkpoint write, the report of another error): in training it
+    raises in the next fetch of a batch alone, and the report then names the worker
+    without waiting."""
+    data = importlib.import_module(f"{DEFAULT_PACKAGE}._data")
+    batches, iterator = started_loader(train_module, data)
     try:
-        alive = started_loader()
+        worker = batches._iterator._workers[1]
+        os.kill(worker.pid, signal.SIGKILL)
+        multiprocessing.connection.wait([worker.sentinel])
+        time.sleep(0.2)  # SIGCHLD comes, and its handler runs, while this code runs
+        with pytest.raises(RuntimeError, match=r"DataLoader worker \(pid \d+\) is killed") as error:
+            next(iterator)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(multiprocessing.connection, "wait", no_waiting)
+            dead = data.dead_workers(batches, error.value)
+    finally:
+        data.close(batches)
+    assert [str(worker) for worker in dead] == [
+        f"DataLoader worker 1 (pid {worker.pid}) was killed by SIGKILL (the OOM killer's "
+        "signal: dmesg says if it was memory)"
+    ]
 
-        def no_waiting(*args: object) -> None:
-            raise AssertionError("waited for workers after an error that is not theirs")
 
+def test_a_worker_killed_under_a_closed_connection_is_waited_for(train_module) -> None:
+    """The race of the killed-worker test, made certain: a worker is SIGKILLed and its
+    status read at once. After a closed connection (the error training meets first) the
+    ending worker is waited for and named; after any other error, with every worker
+    alive, nothing waits."""
+    data = importlib.import_module(f"{DEFAULT_PACKAGE}._data")
+    alive, _ = started_loader(train_module, data)
+    try:
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(multiprocessing.connection, "wait", no_waiting)
             assert data.dead_workers(alive, RuntimeError("a bug in training")) == []
+    finally:
         data.close(alive)
 
-        killed = started_loader()
+    killed, _ = started_loader(train_module, data)
+    try:
         worker = killed._iterator._workers[1]
         os.kill(worker.pid, signal.SIGKILL)
-        closed = ConnectionResetError(104, "Connection reset by peer")
-        dead = data.dead_workers(killed, closed)
-        data.close(killed)
+        dead = data.dead_workers(killed, ConnectionResetError(104, "Connection reset by peer"))
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        data.close(killed)
     assert [str(worker) for worker in dead] == [
         f"DataLoader worker 1 (pid {worker.pid}) was killed by SIGKILL (the OOM killer's "
         "signal: dmesg says if it was memory)"

@@ -24,7 +24,8 @@ import math
 import multiprocessing.connection
 import random
 import signal
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +41,7 @@ __all__ = [
     "SyntheticBatches",
     "WorkerBatches",
     "close",
+    "dead_worker_signal",
     "dead_workers",
     "loader",
     "seed_worker",
@@ -162,12 +164,66 @@ class InProcessBatches:
             )
 
 
+class DeadWorkerSignal:
+    """The training process's SIGCHLD handler: DataLoader's, only while a batch is fetched.
+
+    DataLoader's handler (installed once a process, by its first iterator with workers)
+    raises "DataLoader worker ... is killed by signal" wherever the main thread then is:
+    inside ``Thread.start`` (whose thread then dies printing a KeyError), a checkpoint
+    write, or the report of the failure that the death caused first (a second
+    traceback). Here it runs where DataLoader's own code waits for a batch, which it
+    interrupts at once; a SIGCHLD that comes elsewhere is run at the next fetch. Python
+    runs handlers in the main thread only, between bytecodes.
+    """
+
+    def __init__(self) -> None:
+        self._dataloaders: Callable[[int, Any], Any] | None = None
+        self._fetching = False
+        self._pending = False
+
+    def install(self) -> None:
+        """Wrap DataLoader's handler, once it is there (signals are the main thread's)."""
+        if threading.current_thread() is not threading.main_thread():
+            return
+        current = signal.getsignal(signal.SIGCHLD)
+        if current is not self and callable(current):
+            self._dataloaders = current
+            signal.signal(signal.SIGCHLD, self)
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self._fetching and self._dataloaders is not None:
+            self._dataloaders(signum, frame)
+        else:
+            self._pending = True
+
+    def batches(self, iterator: Iterator[Any]) -> Iterator[Any]:
+        """``iterator``'s batches, each fetched with the handler on."""
+        while True:
+            self._fetching = True
+            try:
+                if self._pending and self._dataloaders is not None:
+                    self._pending = False
+                    self._dataloaders(signal.SIGCHLD, None)  # raises if a worker died
+                batch = next(iterator)
+            except StopIteration:
+                return
+            finally:
+                self._fetching = False
+            yield batch
+
+
+dead_worker_signal = DeadWorkerSignal()  # SIGCHLD is the process's: one handler
+
+
 class WorkerBatches(DataLoader):
-    """A DataLoader whose workers start with SIGTERM blocked (`_lifetime.starting_workers`)."""
+    """A DataLoader whose workers start with SIGTERM blocked (`_lifetime.starting_workers`)
+    and whose dead workers are reported through `dead_worker_signal`."""
 
     def __iter__(self) -> Any:
         with starting_workers():
-            return super().__iter__()
+            iterator = super().__iter__()
+        dead_worker_signal.install()
+        return dead_worker_signal.batches(iterator)
 
 
 def loader(
