@@ -21,7 +21,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
+from typing import Any
 
 import pytest
 from conftest import DEFAULT_PACKAGE, module_environment
@@ -184,11 +187,11 @@ def test_a_killed_worker_ends_the_run_in_one_line(default_project: Path, tmp_pat
     assert status == 1, stderr
     assert "Traceback" not in stderr
     assert stderr.splitlines()[-1].startswith(f"{PREFIX}training failed in epoch "), stderr
-    assert f"DataLoader worker 0 (pid {worker}) was killed by SIGKILL (the OOM killer" in stderr
+    assert sigkilled(0, worker) in stderr
     assert_nothing_left(str(run))
 
 
-def started_loader(train_module, data):
+def started_loader(train_module: ModuleType, data: ModuleType) -> tuple[Any, Iterator[Any]]:
     """A loader of the default project with 2 workers and its iterator, one batch in."""
     inputs, labels = train_module.synthetic_data(256, seed=0)
     dataset = data.SyntheticBatches(inputs, labels, noise=0.1, seed=0)
@@ -198,6 +201,14 @@ def started_loader(train_module, data):
     iterator = iter(batches)
     next(iterator)
     return batches, iterator
+
+
+def sigkilled(index: int, pid: int) -> str:
+    """How the report names DataLoader worker ``index`` killed by SIGKILL."""
+    return (
+        f"DataLoader worker {index} (pid {pid}) was killed by SIGKILL (the OOM killer's "
+        "signal: dmesg says if it was memory)"
+    )
 
 
 def no_waiting(*args: object) -> None:
@@ -223,10 +234,7 @@ def test_a_dead_worker_is_raised_where_a_batch_is_fetched_not_elsewhere(train_mo
             dead = data.dead_workers(batches, error.value)
     finally:
         data.close(batches)
-    assert [str(worker) for worker in dead] == [
-        f"DataLoader worker 1 (pid {worker.pid}) was killed by SIGKILL (the OOM killer's "
-        "signal: dmesg says if it was memory)"
-    ]
+    assert [str(worker) for worker in dead] == [sigkilled(1, worker.pid)]
 
 
 def test_a_worker_killed_under_a_closed_connection_is_waited_for(train_module) -> None:
@@ -250,10 +258,7 @@ def test_a_worker_killed_under_a_closed_connection_is_waited_for(train_module) -
         dead = data.dead_workers(killed, ConnectionResetError(104, "Connection reset by peer"))
     finally:
         data.close(killed)
-    assert [str(worker) for worker in dead] == [
-        f"DataLoader worker 1 (pid {worker.pid}) was killed by SIGKILL (the OOM killer's "
-        "signal: dmesg says if it was memory)"
-    ]
+    assert [str(worker) for worker in dead] == [sigkilled(1, worker.pid)]
 
 
 def test_stop_signals_to_the_whole_process_group_stop_the_run_cleanly(

@@ -41,7 +41,6 @@ __all__ = [
     "SyntheticBatches",
     "WorkerBatches",
     "close",
-    "dead_worker_signal",
     "dead_workers",
     "loader",
     "seed_worker",
@@ -212,18 +211,18 @@ class DeadWorkerSignal:
             yield batch
 
 
-dead_worker_signal = DeadWorkerSignal()  # SIGCHLD is the process's: one handler
+_dead_worker_signal = DeadWorkerSignal()  # SIGCHLD is the process's: one handler
 
 
 class WorkerBatches(DataLoader):
     """A DataLoader whose workers start with SIGTERM blocked (`_lifetime.starting_workers`)
-    and whose dead workers are reported through `dead_worker_signal`."""
+    and whose dead workers are reported through `_dead_worker_signal`."""
 
     def __iter__(self) -> Any:
         with starting_workers():
             iterator = super().__iter__()
-        dead_worker_signal.install()
-        return dead_worker_signal.batches(iterator)
+        _dead_worker_signal.install()
+        return _dead_worker_signal.batches(iterator)
 
 
 def loader(
